@@ -1,0 +1,210 @@
+"""User-facing ESP configuration: parsing, defaults and validation.
+
+This module has no vLLM import. The vLLM adapter feeds it the keys a user put
+next to ``"method": "esp"`` in ``--speculative-config``; the reference decoder
+builds it directly. Every error names the offending key and what is allowed,
+and is raised at start-up, never mid-request.
+
+Block geometry (see ``../shared/design/esp-algorithm.md``)::
+
+    k  = num_mask_tokens            masks after every tree node
+    T  = 1 + sum(tree)              tree nodes, root included
+    Q  = (k + 1) * T                block size = tokens per request per step
+    N  = Q - 1                      draft slots vLLM reserves per request
+
+Example: ``ESPConfig.from_dict({"tree": [4]})`` gives k=1, T=5, Q=10, N=9.
+With ``block_complexity`` instead of ``tree`` the tree is built dynamically
+(paper Algorithm 1) with node budget ``T - 1 = BC // (k + 1) - 1``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+MASK_INITS = ("mean", "last", "sample", "zero")
+CANDIDATE_SOURCES = ("esp", "ngram")
+ALLOWED_KEYS = (
+    "num_mask_tokens",
+    "tree",
+    "block_complexity",
+    "mask_init",
+    "ema",
+)
+# vLLM's RejectionSampler asserts at most 128 drafts per request, and our
+# fallback path hands it whole blocks as chains.
+MAX_DRAFT_SLOTS = 128
+MAX_MASK_TOKENS = 3
+
+# Small blocks on CPU: a 60-row verification block costs several 1-token
+# steps on 2 cores, a 10-row block about one. GPUs have spare compute, so the
+# paper's BC=60 tree is the default there.
+DEFAULT_TREES: dict[str, dict[int, tuple[int, ...]]] = {
+    "cpu": {1: (4,), 2: (3, 1), 3: (2, 1, 1)},
+    "gpu": {1: (29,), 2: (15, 4), 3: (9, 3, 2)},
+}
+
+
+class ESPConfigError(ValueError):
+    """A bad ESP option. The message names the key and the allowed values."""
+
+
+def _fail(key: str, value: Any, allowed: str) -> ESPConfigError:
+    return ESPConfigError(
+        f"ESP speculative_config: invalid value for '{key}': {value!r}. "
+        f"Allowed: {allowed}."
+    )
+
+
+@dataclass(frozen=True)
+class ESPConfig:
+    num_mask_tokens: int = 1
+    tree: tuple[int, ...] | None = (4,)
+    block_complexity: int | None = None
+    mask_init: str = "mean"
+    ema: float = 0.1
+    # Reserved for the hybrid (ESP + prompt lookup); only "esp" today.
+    candidates: tuple[str, ...] = field(default=("esp",))
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # ---------------------------------------------------------------- parsing
+    @classmethod
+    def from_dict(
+        cls, options: Mapping[str, Any] | None, platform: str = "cpu"
+    ) -> "ESPConfig":
+        """Build from user options (the keys beside ``"method": "esp"``)."""
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(ALLOWED_KEYS))
+        if unknown:
+            raise ESPConfigError(
+                f"ESP speculative_config: unknown key(s) {unknown}. "
+                f"Allowed keys: {list(ALLOWED_KEYS)} (plus vLLM's own "
+                "'method', and optionally 'num_speculative_tokens', which "
+                "must then equal the block's draft slots)."
+            )
+        if platform not in DEFAULT_TREES:
+            raise ValueError(f"unknown platform {platform!r}")
+
+        tree = options.get("tree")
+        block_complexity = options.get("block_complexity")
+        if tree is not None and block_complexity is not None:
+            raise ESPConfigError(
+                "ESP speculative_config: 'tree' and 'block_complexity' are "
+                "exclusive. Give 'tree' (per-level widths, a static tree) or "
+                "'block_complexity' (a block budget, a dynamic tree), not both."
+            )
+        if tree is not None:
+            if isinstance(tree, (str, bytes)) or not isinstance(tree, Sequence):
+                raise _fail("tree", tree, "a list of positive ints, one per "
+                            "mask token, e.g. [4] or [15, 4]")
+            tree = tuple(tree)
+
+        if "num_mask_tokens" in options:
+            num_mask_tokens = options["num_mask_tokens"]
+        elif tree is not None:
+            num_mask_tokens = len(tree)
+        else:
+            num_mask_tokens = 1
+        _check_int("num_mask_tokens", num_mask_tokens, 1, MAX_MASK_TOKENS)
+
+        if tree is None and block_complexity is None:
+            tree = DEFAULT_TREES[platform][num_mask_tokens]
+        return cls(
+            num_mask_tokens=num_mask_tokens,
+            tree=tree,
+            block_complexity=block_complexity,
+            mask_init=options.get("mask_init", "mean"),
+            ema=options.get("ema", 0.1),
+        )
+
+    def _validate(self) -> None:
+        k = self.num_mask_tokens
+        _check_int("num_mask_tokens", k, 1, MAX_MASK_TOKENS)
+        if (self.tree is None) == (self.block_complexity is None):
+            raise ESPConfigError(
+                "ESP speculative_config: exactly one of 'tree' and "
+                "'block_complexity' must be set."
+            )
+        if self.tree is not None:
+            widths_ok = all(
+                isinstance(w, int) and not isinstance(w, bool) and w >= 1
+                for w in self.tree
+            )
+            if not widths_ok or len(self.tree) != k:
+                raise _fail(
+                    "tree", list(self.tree),
+                    f"a list of {k} positive int(s), one width per mask "
+                    f"token (num_mask_tokens={k}), e.g. "
+                    f"{list(DEFAULT_TREES['cpu'][k])}",
+                )
+        else:
+            low = 2 * (k + 1)
+            high = MAX_DRAFT_SLOTS + 1
+            _check_int("block_complexity", self.block_complexity, low, high,
+                       hint=f" (with num_mask_tokens={k}: at least 2 tree "
+                       f"nodes, block at most {high} tokens)")
+        if self.mask_init not in MASK_INITS:
+            raise _fail("mask_init", self.mask_init, " | ".join(MASK_INITS))
+        if (isinstance(self.ema, bool) or not isinstance(self.ema, (int, float))
+                or not math.isfinite(self.ema) or not 0.0 <= self.ema <= 1.0):
+            raise _fail("ema", self.ema, "a number in [0, 1] (paper: 0.1)")
+        bad = [c for c in self.candidates if c not in CANDIDATE_SOURCES]
+        if bad or not self.candidates:
+            raise _fail("candidates", list(self.candidates),
+                        f"a non-empty subset of {list(CANDIDATE_SOURCES)}")
+        if self.num_draft_slots > MAX_DRAFT_SLOTS:
+            raise ESPConfigError(
+                f"ESP speculative_config: the block has {self.block_size} "
+                f"tokens ((num_mask_tokens + 1) * (1 + sum(tree)) = "
+                f"{self.block_size}), over vLLM's limit of "
+                f"{MAX_DRAFT_SLOTS + 1}. Use a smaller 'tree' or "
+                "'block_complexity'."
+            )
+
+    # --------------------------------------------------------------- geometry
+    @property
+    def is_dynamic(self) -> bool:
+        return self.block_complexity is not None
+
+    @property
+    def num_nodes(self) -> int:
+        """T: tree nodes per step, root included."""
+        if self.tree is not None:
+            return 1 + sum(self.tree)
+        return self.block_complexity // (self.num_mask_tokens + 1)
+
+    @property
+    def node_budget(self) -> int:
+        """Draft nodes per step (T - 1), the dynamic tree's budget B."""
+        return self.num_nodes - 1
+
+    @property
+    def block_size(self) -> int:
+        """Q = (k + 1) * T: rows per request per verification forward."""
+        return (self.num_mask_tokens + 1) * self.num_nodes
+
+    @property
+    def num_draft_slots(self) -> int:
+        """N = Q - 1: what vLLM sees as num_speculative_tokens."""
+        return self.block_size - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "num_mask_tokens": self.num_mask_tokens,
+            "mask_init": self.mask_init,
+            "ema": self.ema,
+        }
+        if self.tree is not None:
+            out["tree"] = list(self.tree)
+        else:
+            out["block_complexity"] = self.block_complexity
+        return out
+
+
+def _check_int(key: str, value: Any, low: int, high: int, hint: str = "") -> None:
+    if (isinstance(value, bool) or not isinstance(value, int)
+            or not low <= value <= high):
+        raise _fail(key, value, f"an int from {low} to {high}{hint}")
