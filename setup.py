@@ -17,7 +17,10 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["vllm_esp", "vllm_esp.*"]),
+    packages=find_packages(include=["vllm_esp", "vllm_esp.*"]) + ["vllm_esp.patches"],
+    # The repository keeps patches to vLLM in a top-level folder of their own
+    # (see patches/README.md); they install as vllm_esp.patches.
+    package_dir={"vllm_esp.patches": "patches"},
     # vLLM (CPU or GPU build, chosen with an extra) brings torch, transformers
     # and safetensors. gguf reads the bundled test models.
     install_requires=["gguf>=0.17"],

@@ -1,0 +1,5 @@
+"""Patches for what vLLM offers no extension point for.
+
+Installed as ``vllm_esp.patches``; see ``patches/README.md`` for the policy
+and :mod:`vllm_esp.patching` for the registry every patch goes through.
+"""

@@ -1,0 +1,67 @@
+"""A test-only candidate source that knows the right answer.
+
+Given the greedy continuations of plain decoding, it builds each step's tree
+with the true next tokens hidden among random distractors at random sibling
+positions, and hangs the deeper levels under the true node (not under the
+first sibling, as ESP's top-1 expansion would). If tree attention isolated
+siblings wrongly, used wrong positions, or the accepted path's KV were not
+moved to its linear slots, acceptance would drop or the output would change.
+With everything right, every step accepts the tree's full depth and the
+output equals plain decoding.
+
+Injected into the vLLM engine through
+``additional_config["esp_candidate_source"]`` (see
+:func:`vllm_esp.proposer.candidate_source_from_vllm`). Not a user feature.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_esp.config import ESPConfig
+from vllm_esp.core.proposal import DraftTree
+from vllm_esp.core.sources import ProposalContext
+from vllm_esp.core.tree import TreeSpec
+
+
+class OracleSource:
+    def __init__(self, config: ESPConfig, continuations: list[list[list[int]]],
+                 vocab_size: int, seed: int = 0) -> None:
+        """``continuations``: pairs ``[prompt_ids, greedy_output_ids]``."""
+        self.config = config
+        self.continuations = [(list(p), list(c)) for p, c in continuations]
+        self.vocab_size = vocab_size
+        self.rng = np.random.default_rng(seed)
+        if config.tree is not None:
+            self.widths = list(config.tree)
+        else:  # same node count as the dynamic budget, as a deep tree
+            k = config.num_mask_tokens
+            self.widths = [config.node_budget - (k - 1)] + [1] * (k - 1)
+
+    def _true_tokens(self, history: list[int]) -> list[int] | None:
+        for prompt, output in self.continuations:
+            if history[:len(prompt)] == prompt:
+                generated = history[len(prompt):]
+                if output[:len(generated)] == generated:
+                    return output[len(generated):]
+        return None
+
+    def propose(self, context: ProposalContext) -> DraftTree:
+        history = [int(t) for t in np.asarray(context.token_ids)]
+        truth = self._true_tokens(history) or []
+        parents, tokens = [-1], [context.root_token]
+        parent = 0
+        for level, width in enumerate(self.widths):
+            true_token = truth[level] if level < len(truth) else None
+            distractors = [t for t in self.rng.permutation(self.vocab_size)[:width + 1]
+                           if t != true_token][:width]
+            true_slot = int(self.rng.integers(width))
+            level_start = len(tokens)
+            for slot in range(width):
+                parents.append(parent)
+                tokens.append(true_token if (slot == true_slot and true_token is not None)
+                              else int(distractors[slot]))
+            parent = level_start + true_slot
+        tree_spec = TreeSpec(tuple(parents), num_mask_tokens=self.config.num_mask_tokens)
+        return DraftTree(tree_spec, torch.tensor(tokens))

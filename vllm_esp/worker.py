@@ -1,0 +1,64 @@
+"""ESP workers, selected through vLLM's ``worker_cls`` hook.
+
+The ESP engine-args translation sets ``worker_cls`` to one of these only when
+``{"method": "esp"}`` is requested. The worker does the two process-local
+things ESP needs before the model is built: it registers the tree-attention
+backend over ``CPU_ATTN`` (checking the KV layout it reads), and it makes
+the CPU worker construct the ESP model runner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from vllm_esp.patching import check_vllm_version
+
+ESP_CPU_ATTENTION_BACKEND = "vllm_esp.attention.ESPCPUAttentionBackend"
+
+
+def register_tree_attention() -> None:
+    from vllm.v1.attention.backends.registry import (
+        AttentionBackendEnum,
+        register_backend,
+    )
+
+    from vllm_esp.attention import check_vec_layout
+
+    check_vec_layout()
+    # vLLM's CPU platform always resolves CPU_ATTN, so overriding its path is
+    # the registry's supported way to swap the implementation.
+    register_backend(AttentionBackendEnum.CPU_ATTN, ESP_CPU_ATTENTION_BACKEND)
+
+
+@contextlib.contextmanager
+def _cpu_runner_class(runner_cls):
+    """vLLM 0.32/0.33's CPUWorker.init_device builds ``CPUModelRunner`` from
+    its module global and has no ``_make_model_runner`` hook (the GPU worker
+    does). Rebind the global only while our own init_device runs."""
+    from vllm.v1.worker import cpu_worker as cpu_worker_module
+
+    original = cpu_worker_module.CPUModelRunner
+    cpu_worker_module.CPUModelRunner = runner_cls
+    try:
+        yield
+    finally:
+        cpu_worker_module.CPUModelRunner = original
+
+
+class ESPCPUWorker(CPUWorker):
+    def __init__(self, *args, **kwargs) -> None:
+        check_vllm_version()
+        register_tree_attention()
+        super().__init__(*args, **kwargs)
+
+    def init_device(self) -> None:
+        if self.use_v2_model_runner:
+            raise RuntimeError(
+                "ESP runs on vLLM's V1 model runner (as custom_class proposers "
+                "do); unset VLLM_USE_V2_MODEL_RUNNER.")
+        from vllm_esp.runner import ESPCPUModelRunner
+
+        with _cpu_runner_class(ESPCPUModelRunner):
+            super().init_device()
