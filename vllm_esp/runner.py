@@ -84,22 +84,20 @@ class ESPModelRunnerMixin:
         if not blocks:
             return logits_indices, spec_metadata, max_sampled
 
-        node_rows = []
-        for block in blocks:
-            layout = block.layout
-            block_rows = block.row_start + torch.arange(layout.block_size)
-            self.positions[block_rows] = (
-                block.root_position + layout.position_offsets).to(self.positions)
-            mask_rows = block.row_start + layout.mask_rows.reshape(-1)
-            self.is_token_ids.cpu[mask_rows] = False
-            self.is_token_ids.gpu[mask_rows] = False
-            self.inputs_embeds.gpu[mask_rows] = self.drafter.mask_embedding(
-                block.req_id).to(self.inputs_embeds.gpu)
-            node_rows.append(block.row_start + layout.node_rows)
+        step = ESPStep.build(blocks)
+        valid = step.query_valid
+        self.positions[step.query_rows[valid]] = (
+            step.root_positions[:, None] + step.position_offsets)[valid].to(self.positions)
+        # Mask rows take the request's soft embedding instead of a token's.
+        self.is_token_ids.cpu[step.mask_rows] = False
+        self.is_token_ids.gpu[step.mask_rows] = False
+        mask_embeddings = torch.stack(
+            [self.drafter.mask_embedding(block.req_id) for block in blocks])
+        self.inputs_embeds.gpu[step.mask_rows] = mask_embeddings[
+            step.mask_row_blocks].to(self.inputs_embeds.gpu)
 
-        offsets = np.cumsum([0] + [b.layout.num_nodes for b in blocks])[:-1]
-        step = ESPStep(blocks=blocks, node_rows=torch.cat(node_rows),
-                       node_row_offsets=offsets.tolist())
+        node_rows = torch.split(step.node_rows,
+                                [block.layout.num_nodes for block in blocks])
         logits_indices = self._esp_logits_indices(spec_metadata, blocks, node_rows)
         self._esp_step = step
         set_current_step(step)

@@ -17,9 +17,26 @@ different number of slots and are reported as they are.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
 
 from vllm_esp.config import ESPConfig
+
+
+@dataclass
+class ESPRequestSpecDecodeMetrics(RequestSpecDecodeMetrics):
+    """vLLM's per-request spec-decode metrics with ESP blocks counted as
+    tree nodes (``per_request_spec_decode_metrics`` in responses)."""
+
+    esp_block_slots: int = -1
+    esp_tree_drafts: int = -1
+
+    def observe(self, num_draft_tokens, num_accepted, detailed=False):
+        if num_draft_tokens == self.esp_block_slots:
+            num_draft_tokens = self.esp_tree_drafts
+        super().observe(num_draft_tokens, num_accepted, detailed)
 
 
 class ESPScheduler(Scheduler):
@@ -28,6 +45,17 @@ class ESPScheduler(Scheduler):
         esp_config = ESPConfig(**_esp_options(vllm_config))
         self._esp_block_slots = esp_config.num_draft_slots
         self._esp_tree_drafts = esp_config.node_budget
+
+    def add_request(self, request) -> None:
+        super().add_request(request)
+        metrics = request.spec_decode_metrics
+        if metrics is not None and not isinstance(metrics, ESPRequestSpecDecodeMetrics):
+            request.spec_decode_metrics = ESPRequestSpecDecodeMetrics(
+                num_spec_tokens=metrics.num_spec_tokens,
+                histogram=metrics.histogram,
+                esp_block_slots=self._esp_block_slots,
+                esp_tree_drafts=self._esp_tree_drafts,
+            )
 
     def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens,
                                  num_accepted_tokens, num_invalid_spec_tokens,

@@ -35,7 +35,21 @@ class ESPBlock:
 
 @dataclass
 class ESPStep:
+    """Everything the attention impl and the sampler need about this step's
+    ESP blocks, built once per step (not per layer)."""
+
     blocks: list[ESPBlock]
+    # [B, Qmax] flat token rows of each block (padded with the block's first
+    # row), [B, Qmax] which of them are real, [B] root positions,
+    # [B, Qmax, Qmax] tree masks and [B, Qmax] position offsets (padded).
+    query_rows: torch.Tensor
+    query_valid: torch.Tensor
+    root_positions: torch.Tensor
+    tree_masks: torch.Tensor
+    position_offsets: torch.Tensor
+    # Flat rows of every mask token, and the block each belongs to.
+    mask_rows: torch.Tensor
+    mask_row_blocks: torch.Tensor
     # Flat rows of every tree node of every block, block after block; the
     # attention impl stashes post-RoPE K/V of these rows for relocation.
     node_rows: torch.Tensor
@@ -46,6 +60,48 @@ class ESPStep:
     # Filled after the forward.
     hidden_states: torch.Tensor | None = None
     slot_mappings: dict[str, torch.Tensor] | None = None
+    # Per (block table, sliding window): prefix gather indices and the full
+    # attention mask, computed by the first layer that needs them.
+    attention_cache: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, blocks: list[ESPBlock]) -> "ESPStep":
+        num_blocks = len(blocks)
+        max_rows = max(block.layout.block_size for block in blocks)
+        query_rows = torch.zeros(num_blocks, max_rows, dtype=torch.long)
+        query_valid = torch.zeros(num_blocks, max_rows, dtype=torch.bool)
+        tree_masks = torch.zeros(num_blocks, max_rows, max_rows, dtype=torch.bool)
+        position_offsets = torch.zeros(num_blocks, max_rows, dtype=torch.long)
+        node_rows, mask_rows, mask_row_blocks = [], [], []
+        for index, block in enumerate(blocks):
+            layout = block.layout
+            size = layout.block_size
+            query_rows[index] = block.row_start
+            query_rows[index, :size] += torch.arange(size)
+            query_valid[index, :size] = True
+            tree_masks[index, :size, :size] = layout.attention_mask
+            # Padding rows attend to themselves only, so softmax stays finite.
+            tree_masks[index, size:, size:] = torch.eye(max_rows - size, dtype=torch.bool)
+            position_offsets[index, :size] = layout.position_offsets
+            node_rows.append(block.row_start + layout.node_rows)
+            block_mask_rows = block.row_start + layout.mask_rows.reshape(-1)
+            mask_rows.append(block_mask_rows)
+            mask_row_blocks.append(torch.full_like(block_mask_rows, index))
+        offsets = [0]
+        for block in blocks[:-1]:
+            offsets.append(offsets[-1] + block.layout.num_nodes)
+        return cls(
+            blocks=blocks,
+            query_rows=query_rows,
+            query_valid=query_valid,
+            root_positions=torch.tensor([b.root_position for b in blocks]),
+            tree_masks=tree_masks,
+            position_offsets=position_offsets,
+            mask_rows=torch.cat(mask_rows),
+            mask_row_blocks=torch.cat(mask_row_blocks),
+            node_rows=torch.cat(node_rows),
+            node_row_offsets=offsets,
+        )
 
 
 _current_step: ESPStep | None = None

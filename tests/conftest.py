@@ -1,0 +1,41 @@
+"""Shared fixtures. Nothing here downloads from a model hub: the real models
+come from PyPI packages (vllm_esp.models) and the tiny ones are random."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from vllm_esp.models import model_path
+
+    return str(model_path("smollm2-135m"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def spec_bench():
+    from vllm_esp.data import load_spec_bench
+
+    return load_spec_bench()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A seeded random Llama (vocab 512) saved for vLLM, no tokenizer."""
+    from vllm_esp.testing import make_tiny_llama
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    make_tiny_llama(path, seed=0)
+    return str(path)

@@ -1,0 +1,117 @@
+"""Bad ESP options fail at start-up, before any engine or model is loaded,
+with a message naming the key and the allowed values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from vllm_esp.config import ESPConfig, ESPConfigError
+
+
+@pytest.mark.parametrize("options, must_mention", [
+    ({"foo": 1}, ["'foo'", "num_mask_tokens", "block_complexity"]),
+    ({"num_mask_tokens": 4}, ["num_mask_tokens", "1 to 3"]),
+    ({"num_mask_tokens": 0}, ["num_mask_tokens", "1 to 3"]),
+    ({"tree": [4, 4], "num_mask_tokens": 1}, ["'tree'", "1 positive int"]),
+    ({"tree": [0]}, ["'tree'"]),
+    ({"tree": "4"}, ["'tree'"]),
+    ({"tree": [4], "block_complexity": 30}, ["'tree'", "'block_complexity'", "exclusive"]),
+    ({"block_complexity": 3}, ["block_complexity", "4 to 129"]),
+    ({"tree": [200]}, ["129"]),
+    ({"mask_init": "random"}, ["mask_init", "mean | last | sample | zero"]),
+    ({"ema": 1.5}, ["ema", "[0, 1]"]),
+    ({"ema": "0.1"}, ["ema"]),
+])
+def test_bad_options_name_key_and_allowed_values(options, must_mention):
+    with pytest.raises(ESPConfigError) as error:
+        ESPConfig.from_dict(options)
+    for text in must_mention:
+        assert text in str(error.value)
+
+
+def test_defaults_and_geometry():
+    cpu = ESPConfig.from_dict({})
+    assert (cpu.num_mask_tokens, cpu.tree, cpu.block_size) == (1, (4,), 10)
+    assert ESPConfig.from_dict({}, platform="gpu").block_size == 60
+    assert ESPConfig.from_dict({"tree": [15, 4]}).num_draft_slots == 59
+    dynamic = ESPConfig.from_dict({"block_complexity": 30})
+    assert (dynamic.num_nodes, dynamic.node_budget, dynamic.block_size) == (15, 14, 30)
+    assert ESPConfig.from_dict({"num_mask_tokens": 2}).tree == (3, 1)
+
+
+def _engine_args(**kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model="unused", **kwargs)
+
+
+def test_translation_to_vllm_hooks():
+    from vllm_esp.patches.engine_args import translate_esp_engine_args
+
+    args = _engine_args(speculative_config={"method": "esp", "tree": [15, 4]},
+                        additional_config={"other": 1})
+    config = translate_esp_engine_args(args, "cpu")
+    assert args.speculative_config == {
+        "method": "custom_class", "model": "vllm_esp.proposer.ESPProposer",
+        "num_speculative_tokens": 59}
+    assert args.additional_config == {"other": 1, "esp": config.to_dict()}
+    assert args.worker_cls == "vllm_esp.worker.ESPCPUWorker"
+    assert args.scheduler_cls == "vllm_esp.scheduler.ESPScheduler"
+    assert args.enable_prompt_embeds is True
+
+
+@pytest.mark.parametrize("kwargs, must_mention", [
+    (dict(pipeline_parallel_size=2), ["pipeline_parallel_size", "Allowed: pipeline_parallel_size=1"]),
+    (dict(worker_cls="my.Worker"), ["worker_cls", "'auto'"]),
+])
+def test_unservable_combinations_refused(kwargs, must_mention):
+    from vllm_esp.patches.engine_args import translate_esp_engine_args
+
+    args = _engine_args(speculative_config={"method": "esp"}, **kwargs)
+    with pytest.raises(ESPConfigError) as error:
+        translate_esp_engine_args(args, "cpu")
+    for text in must_mention:
+        assert text in str(error.value)
+
+
+def test_num_speculative_tokens_must_match_block():
+    from vllm_esp.patches.engine_args import translate_esp_engine_args
+
+    ok = _engine_args(speculative_config={"method": "esp", "num_speculative_tokens": 9})
+    translate_esp_engine_args(ok, "cpu")
+    bad = _engine_args(speculative_config={"method": "esp", "num_speculative_tokens": 5})
+    with pytest.raises(ESPConfigError, match="num_speculative_tokens"):
+        translate_esp_engine_args(bad, "cpu")
+
+
+def test_llm_refuses_bad_config_before_loading_anything():
+    """Through the public LLM API, in a fresh process with the plugin loaded
+    by vLLM's entry point: the error comes from config creation."""
+    code = (
+        "from vllm import LLM\n"
+        "try:\n"
+        "    LLM(model='/nonexistent-model', speculative_config="
+        "{'method': 'esp', 'tree': [4], 'mask_init': 'bogus'})\n"
+        "except ValueError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                            text=True, timeout=300)
+    assert "ERR ESP speculative_config: invalid value for 'mask_init'" in result.stdout, \
+        result.stdout + result.stderr[-3000:]
+
+
+def test_vllm_serve_refuses_bad_config_at_startup():
+    import shutil
+
+    vllm_cli = shutil.which("vllm") or str(__import__("pathlib").Path(sys.executable).parent / "vllm")
+    result = subprocess.run(
+        [vllm_cli, "serve", "/nonexistent-model", "--speculative-config",
+         '{"method": "esp", "num_mask_tokens": 7}'],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "invalid value for 'num_mask_tokens': 7. Allowed: an int from 1 to 3" in (
+        result.stdout + result.stderr), result.stderr[-3000:]

@@ -1,0 +1,61 @@
+"""Installing vllm-esp must not change runs that do not ask for ESP."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+RUN_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    if __name__ == "__main__":
+        from vllm import SamplingParams
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm_esp.runs import run_once
+        model = sys.argv[1]
+        prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(12 + 5 * i)] for i in range(6)]
+        # repeat a pattern so ngram has something to find
+        prompts = [p + p[:8] for p in prompts]
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        out = {}
+        for label, spec in [("plain", None),
+                            ("ngram", {"method": "ngram", "num_speculative_tokens": 3,
+                                       "prompt_lookup_max": 3, "prompt_lookup_min": 1})]:
+            run = run_once(model, prompts, params, speculative_config=spec,
+                           skip_tokenizer_init=True, max_num_seqs=4,
+                           max_model_len=512)
+            out[label] = {"tokens": run.token_ids, "counters": run.counters}
+        out["patched"] = hasattr(EngineArgs.create_engine_config, "__vllm_esp_patch__")
+        print("RESULT " + json.dumps(out))
+""")
+
+
+def _run(model_dir, tmp_path, plugins: str | None):
+    script = tmp_path / "hygiene_run.py"
+    script.write_text(RUN_SCRIPT)
+    env = dict(os.environ)
+    env.pop("VLLM_PLUGINS", None)
+    if plugins is not None:
+        env["VLLM_PLUGINS"] = plugins
+    result = subprocess.run([sys.executable, str(script), model_dir], env=env,
+                            capture_output=True, text=True, timeout=900)
+    lines = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, result.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.vllm
+def test_non_esp_runs_unchanged_by_plugin(tiny_llama_dir, tmp_path):
+    with_plugin = _run(tiny_llama_dir, tmp_path, plugins=None)
+    # VLLM_PLUGINS lists the general plugins vLLM may load; naming another
+    # one keeps vllm-esp's entry point from loading at all.
+    without_plugin = _run(tiny_llama_dir, tmp_path, plugins="lora_filesystem_resolver")
+    assert with_plugin["patched"] and not without_plugin["patched"]
+    for label in ("plain", "ngram"):
+        assert with_plugin[label]["tokens"] == without_plugin[label]["tokens"]
+        assert with_plugin[label]["counters"] == without_plugin[label]["counters"]
+    assert with_plugin["ngram"]["counters"]["vllm:spec_decode_num_drafts"] > 0

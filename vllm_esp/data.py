@@ -1,0 +1,65 @@
+"""Spec-Bench prompts, read from disk (never fetched, never copied here).
+
+Default location: ``$VLLM_ESP_SPEC_BENCH``, else ``../shared/data/spec_bench/
+question.jsonl`` beside the repository. Spec-Bench is Apache-2.0; its LICENSE
+sits beside the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def default_spec_bench_path() -> Path:
+    env = os.environ.get("VLLM_ESP_SPEC_BENCH")
+    if env:
+        return Path(env)
+    return REPO_ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+def load_spec_bench(path: str | Path | None = None) -> list[dict]:
+    """All questions: dicts with ``question_id``, ``category``, ``turns``."""
+    path = Path(path) if path else default_spec_bench_path()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"Spec-Bench questions not found at {path}. Pass --dataset PATH "
+            "or set VLLM_ESP_SPEC_BENCH to a question.jsonl file.")
+    with path.open(encoding="utf-8") as lines:
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def categories(questions: list[dict]) -> list[str]:
+    seen: dict[str, None] = {}
+    for question in questions:
+        seen.setdefault(question["category"], None)
+    return list(seen)
+
+
+def select_questions(questions: list[dict], per_category: int,
+                     limit: int | None = None) -> list[dict]:
+    """The first ``per_category`` questions of every category, interleaved
+    across categories so that any prefix of the list mixes categories and
+    prompt lengths."""
+    by_category: dict[str, list[dict]] = {}
+    for question in questions:
+        by_category.setdefault(question["category"], []).append(question)
+    selected = []
+    for rank in range(per_category):
+        for items in by_category.values():
+            if rank < len(items):
+                selected.append(items[rank])
+    return selected[:limit] if limit else selected
+
+
+def chat_prompt_ids(tokenizer, question: dict) -> list[int]:
+    """First turn of a question, with the model's chat template if it has one."""
+    text = question["turns"][0]
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True,
+            tokenize=True, return_dict=False))
+    return list(tokenizer(text).input_ids)

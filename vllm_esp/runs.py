@@ -1,0 +1,120 @@
+"""Small helpers to run vLLM with and without ESP side by side.
+
+Used by the demo, the tests and the benchmarks, so that all of them build
+engines the same way and read vLLM's spec-decode counters the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+# vLLM's CPU backend reserves most of RAM for the KV cache when this is
+# unset; 2 GiB is plenty for the bundled small models. Set before vLLM loads.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+
+
+@dataclass
+class GenerationRun:
+    label: str
+    token_ids: list[list[int]]
+    texts: list[str]
+    seconds: float
+    counters: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_output_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def num_drafts(self) -> int:
+        return int(self.counters.get("vllm:spec_decode_num_drafts", 0))
+
+    @property
+    def num_accepted(self) -> int:
+        return int(self.counters.get("vllm:spec_decode_num_accepted_tokens", 0))
+
+    @property
+    def tau(self) -> float | None:
+        """Mean tokens emitted per verification step (vLLM's mean acceptance
+        length): 1 + accepted / drafts."""
+        if not self.num_drafts:
+            return None
+        return 1.0 + self.num_accepted / self.num_drafts
+
+
+def spec_counters(llm) -> dict[str, float]:
+    values = {}
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_COUNTERS:
+            values[metric.name] = metric.value
+    return values
+
+
+def make_llm(model: str, speculative_config: dict | None = None, *,
+             dtype: str = "float32", max_model_len: int | None = 2048,
+             max_num_seqs: int = 16, seed: int = 0, **kwargs: Any):
+    from vllm import LLM
+
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    return LLM(model=str(model), dtype=dtype,
+               max_num_seqs=max_num_seqs, seed=seed,
+               speculative_config=speculative_config,
+               disable_log_stats=False, **kwargs)
+
+
+def generate(llm, prompts_token_ids: list[list[int]], sampling_params,
+             label: str = "") -> GenerationRun:
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompts_token_ids]
+    before = spec_counters(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, sampling_params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = spec_counters(llm)
+    counters = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+    return GenerationRun(
+        label=label,
+        token_ids=[list(o.outputs[0].token_ids) for o in outputs],
+        texts=[o.outputs[0].text or "" for o in outputs],
+        seconds=seconds,
+        counters=counters,
+    )
+
+
+def run_once(model: str, prompts_token_ids, sampling_params,
+             speculative_config: dict | None = None, label: str = "",
+             **llm_kwargs) -> GenerationRun:
+    """Build an engine, generate, shut it down."""
+    llm = make_llm(model, speculative_config, **llm_kwargs)
+    try:
+        return generate(llm, prompts_token_ids, sampling_params, label=label)
+    finally:
+        shutdown(llm)
+
+
+def shutdown(llm) -> None:
+    import gc
+
+    engine = getattr(llm, "llm_engine", None)
+    try:
+        if engine is not None and hasattr(engine, "engine_core"):
+            engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
