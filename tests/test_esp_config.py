@@ -115,3 +115,12 @@ def test_vllm_serve_refuses_bad_config_at_startup():
     assert result.returncode != 0
     assert "invalid value for 'num_mask_tokens': 7. Allowed: an int from 1 to 3" in (
         result.stdout + result.stderr), result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("options", [{}, {"tree": [15, 4]}, {"block_complexity": 30},
+                                     {"num_mask_tokens": 2, "block_complexity": 20,
+                                      "mask_init": "zero", "ema": 0.0}])
+def test_serialized_round_trip(options):
+    """Workers rebuild the config from additional_config["esp"]."""
+    config = ESPConfig.from_dict(options)
+    assert ESPConfig.from_serialized(config.to_dict()) == config

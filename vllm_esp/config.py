@@ -191,6 +191,19 @@ class ESPConfig:
         """N = Q - 1: what vLLM sees as num_speculative_tokens."""
         return self.block_size - 1
 
+    @classmethod
+    def from_serialized(cls, data: Mapping[str, Any]) -> "ESPConfig":
+        """Inverse of :meth:`to_dict` (the engine passes the validated
+        config to its workers as ``additional_config["esp"]``)."""
+        tree = data.get("tree")
+        return cls(
+            num_mask_tokens=data["num_mask_tokens"],
+            tree=None if tree is None else tuple(tree),
+            block_complexity=data.get("block_complexity"),
+            mask_init=data["mask_init"],
+            ema=data["ema"],
+        )
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "num_mask_tokens": self.num_mask_tokens,

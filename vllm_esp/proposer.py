@@ -54,10 +54,7 @@ class ESPRequestState:
 
 
 def esp_config_from_vllm(vllm_config) -> ESPConfig:
-    options = dict(vllm_config.additional_config["esp"])
-    if "tree" in options:
-        options["tree"] = tuple(options["tree"])
-    return ESPConfig(**options)
+    return ESPConfig.from_serialized(vllm_config.additional_config["esp"])
 
 
 def candidate_source_from_vllm(vllm_config, esp_config: ESPConfig) -> CandidateSource:

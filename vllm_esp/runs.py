@@ -29,6 +29,9 @@ class GenerationRun:
     texts: list[str]
     seconds: float
     counters: dict[str, float] = field(default_factory=dict)
+    # Per request: vLLM's RequestSpecDecodeMetrics.to_dict(), or None. Only
+    # filled when the engine runs with per_request_spec_decode_metrics.
+    spec_metrics: list[dict | None] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:
@@ -65,14 +68,21 @@ def spec_counters(llm) -> dict[str, float]:
 
 def make_llm(model: str, speculative_config: dict | None = None, *,
              dtype: str = "float32", max_model_len: int | None = 2048,
-             max_num_seqs: int = 16, seed: int = 0, **kwargs: Any):
+             max_num_seqs: int = 16, seed: int = 0, enforce_eager: bool = True,
+             **kwargs: Any):
+    """An engine with settings that fit this project's 2-core CPU boxes.
+
+    Eager by default: torch.compile makes an engine start take ~130 s instead
+    of ~25 s on 2 cores, which dominates tests and short runs. Pass
+    ``enforce_eager=False`` to measure compiled steady-state speed.
+    """
     from vllm import LLM
 
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
     return LLM(model=str(model), dtype=dtype,
                max_num_seqs=max_num_seqs, seed=seed,
-               speculative_config=speculative_config,
+               speculative_config=speculative_config, enforce_eager=enforce_eager,
                disable_log_stats=False, **kwargs)
 
 
@@ -93,7 +103,13 @@ def generate(llm, prompts_token_ids: list[list[int]], sampling_params,
         texts=[o.outputs[0].text or "" for o in outputs],
         seconds=seconds,
         counters=counters,
+        spec_metrics=[_request_spec_metrics(o) for o in outputs],
     )
+
+
+def _request_spec_metrics(output) -> dict | None:
+    metrics = getattr(output.outputs[0], "spec_decode_metrics", None)
+    return metrics.to_dict() if metrics is not None else None
 
 
 def run_once(model: str, prompts_token_ids, sampling_params,

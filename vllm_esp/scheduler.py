@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
 
-from vllm_esp.config import ESPConfig
+from vllm_esp.proposer import esp_config_from_vllm
 
 
 @dataclass
@@ -42,7 +42,7 @@ class ESPRequestSpecDecodeMetrics(RequestSpecDecodeMetrics):
 class ESPScheduler(Scheduler):
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
-        esp_config = ESPConfig(**_esp_options(vllm_config))
+        esp_config = esp_config_from_vllm(vllm_config)
         self._esp_block_slots = esp_config.num_draft_slots
         self._esp_tree_drafts = esp_config.node_budget
 
@@ -66,9 +66,3 @@ class ESPScheduler(Scheduler):
             spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
             num_invalid_spec_tokens, request_id)
 
-
-def _esp_options(vllm_config) -> dict:
-    options = dict(vllm_config.additional_config["esp"])
-    if "tree" in options:
-        options["tree"] = tuple(options["tree"])
-    return options
