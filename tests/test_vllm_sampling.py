@@ -1,0 +1,79 @@
+"""Sampling with ESP has the target's distribution (not just its support).
+
+A tiny random Llama, one prompt, thousands of seeded requests: the empirical
+distribution of the tokens ESP generates after the prefill must match plain
+vLLM sampling. The drafts come from the test-only oracle source (the greedy
+continuation hidden among distractors), so that both the accept and the
+reject paths of verification are exercised often.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from vllm_esp.runs import run_once
+
+pytestmark = pytest.mark.vllm
+
+NUM_SAMPLES = 3000
+PROMPT = [11, 42, 7, 300, 5, 91, 250, 3]
+
+
+def chi_square_homogeneity_p(first: Counter, second: Counter, min_expected=5.0) -> float:
+    """Two-sample Pearson chi-square p-value; rare cells are pooled."""
+    total_first, total_second = sum(first.values()), sum(second.values())
+    cells, pooled = [], [0, 0]
+    for key in set(first) | set(second):
+        a, b = first.get(key, 0), second.get(key, 0)
+        expected = (a + b) * min(total_first, total_second) / (total_first + total_second)
+        if expected < min_expected:
+            pooled[0] += a
+            pooled[1] += b
+        else:
+            cells.append((a, b))
+    if sum(pooled):
+        cells.append(tuple(pooled))
+    statistic = 0.0
+    for a, b in cells:
+        expected_a = (a + b) * total_first / (total_first + total_second)
+        expected_b = (a + b) * total_second / (total_first + total_second)
+        statistic += (a - expected_a) ** 2 / expected_a + (b - expected_b) ** 2 / expected_b
+    dof = max(len(cells) - 1, 1)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(statistic / 2.0, dtype=torch.float64)))
+
+
+def test_chi_square_helper_detects_a_shift():
+    same = chi_square_homogeneity_p(Counter({1: 500, 2: 500}), Counter({1: 490, 2: 510}))
+    shifted = chi_square_homogeneity_p(Counter({1: 500, 2: 500}), Counter({1: 400, 2: 600}))
+    assert same > 0.1 and shifted < 1e-3
+
+
+def test_esp_sampling_matches_plain_sampling_distribution(tiny_llama_dir):
+    from vllm import SamplingParams
+
+    common = dict(skip_tokenizer_init=True, max_model_len=256, max_num_seqs=128)
+    greedy = run_once(tiny_llama_dir, [PROMPT],
+                      SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                      **common).token_ids[0]
+    params = [SamplingParams(temperature=0.5, seed=seed, max_tokens=3, ignore_eos=True)
+              for seed in range(NUM_SAMPLES)]
+    plain = run_once(tiny_llama_dir, [PROMPT] * NUM_SAMPLES, params, **common)
+    oracle = {"class": "vllm_esp.oracle.OracleSource",
+              "kwargs": {"continuations": [[PROMPT, greedy]], "vocab_size": 512}}
+    esp = run_once(tiny_llama_dir, [PROMPT] * NUM_SAMPLES, params,
+                   speculative_config={"method": "esp", "tree": [3, 2]},
+                   additional_config={"esp_candidate_source": oracle}, **common)
+
+    # Both verification outcomes must be frequent for the test to mean much.
+    assert esp.num_drafts > NUM_SAMPLES
+    assert 0.2 * esp.num_drafts < esp.num_accepted < 1.8 * esp.num_drafts
+
+    for name, select in [("token 2", lambda t: t[1]), ("token 3", lambda t: t[2]),
+                         ("tokens 2-3", lambda t: (t[1], t[2]))]:
+        p_value = chi_square_homogeneity_p(Counter(map(select, plain.token_ids)),
+                                           Counter(map(select, esp.token_ids)))
+        assert p_value > 1e-3, f"{name}: ESP sampling distribution differs (p={p_value:.2e})"
