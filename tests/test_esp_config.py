@@ -66,6 +66,7 @@ def test_translation_to_vllm_hooks():
 @pytest.mark.parametrize("kwargs, must_mention", [
     (dict(pipeline_parallel_size=2), ["pipeline_parallel_size", "Allowed: pipeline_parallel_size=1"]),
     (dict(worker_cls="my.Worker"), ["worker_cls", "'auto'"]),
+    (dict(enable_lora=True), ["enable_lora", "Allowed: enable_lora=False"]),
 ])
 def test_unservable_combinations_refused(kwargs, must_mention):
     from vllm_esp.patches.engine_args import translate_esp_engine_args
@@ -124,3 +125,11 @@ def test_serialized_round_trip(options):
     """Workers rebuild the config from additional_config["esp"]."""
     config = ESPConfig.from_dict(options)
     assert ESPConfig.from_serialized(config.to_dict()) == config
+
+
+def test_gpu_platform_refused_until_implemented():
+    from vllm_esp.patches.engine_args import translate_esp_engine_args
+
+    args = _engine_args(speculative_config={"method": "esp"})
+    with pytest.raises(ESPConfigError, match="CPU backend only"):
+        translate_esp_engine_args(args, "gpu")

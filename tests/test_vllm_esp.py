@@ -54,15 +54,17 @@ def baseline(smollm2_dir, prompts, greedy_params):
                     **ENGINE_KWARGS)
 
 
+# The 60-token blocks cost several plain steps each on 2 cores: they run in
+# `./run test-slow`; the default suite keeps the CPU default tree.
 ESP_CONFIGS = [
     {"tree": [4]},
-    {"tree": [29]},
-    {"tree": [15, 4]},
-    {"block_complexity": 30},
+    pytest.param({"tree": [29]}, marks=pytest.mark.slow),
+    pytest.param({"tree": [15, 4]}, marks=pytest.mark.slow),
+    pytest.param({"block_complexity": 30}, marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("options", ESP_CONFIGS, ids=lambda o: json.dumps(o))
+@pytest.mark.parametrize("options", ESP_CONFIGS, ids=["tree4", "tree29", "tree15-4", "bc30"])
 def test_greedy_lossless_under_continuous_batching(
         smollm2_dir, prompts, greedy_params, baseline, options):
     esp = run_once(smollm2_dir, prompts, greedy_params,
@@ -84,9 +86,11 @@ def test_greedy_lossless_under_continuous_batching(
     assert esp.num_output_tokens == baseline.num_output_tokens
 
 
-@pytest.mark.parametrize("options", [{"tree": [4]}, {"tree": [5, 3]},
-                                     {"block_complexity": 20, "num_mask_tokens": 2}],
-                         ids=lambda o: json.dumps(o))
+@pytest.mark.parametrize("options", [
+    pytest.param({"tree": [4]}, marks=pytest.mark.slow),
+    {"tree": [5, 3]},
+    pytest.param({"block_complexity": 20, "num_mask_tokens": 2}, marks=pytest.mark.slow),
+], ids=["tree4", "tree5-3", "bc20-k2"])
 def test_oracle_candidates_reach_full_depth(smollm2_dir, prompts, baseline, options):
     """A candidate source that hides the true next tokens at random sibling
     slots (deeper levels under the true node) must be accepted to the tree's
