@@ -1,0 +1,111 @@
+"""Named speculative-decoding configurations the benchmark can run.
+
+Each method is one ``speculative_config`` (``None``: no speculation), run in
+its own fresh vLLM engine. ``--methods`` takes names from ``METHODS``,
+``default`` (``DEFAULT_METHODS``) or ``all``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any
+
+BASELINE = "none"
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    speculative_config: dict[str, Any] | None
+    description: str
+    # Python module the method needs at run time (checked before starting an
+    # engine); None: nothing beyond vLLM.
+    requires_module: str | None = None
+    install_hint: str = ""
+    # Keeps state across requests (suffix decoding caches earlier answers):
+    # every pass then gets a fresh engine so that it only sees its own pass.
+    cross_request_state: bool = False
+    # Placeholder for a method not implemented yet (listed, always skipped).
+    placeholder: bool = False
+    tags: tuple[str, ...] = field(default=())
+
+    def unavailable_reason(self) -> str | None:
+        """Why this method cannot run here, or None when it can."""
+        if self.placeholder:
+            return f"{self.name}: {self.description}"
+        if self.requires_module and importlib.util.find_spec(self.requires_module) is None:
+            return (f"{self.name} needs the Python package providing "
+                    f"'{self.requires_module}', which is not installed. "
+                    f"{self.install_hint}")
+        return None
+
+
+def _ngram(k: int, lookup_max: int, lookup_min: int) -> dict[str, Any]:
+    return {"method": "ngram", "num_speculative_tokens": k,
+            "prompt_lookup_max": lookup_max, "prompt_lookup_min": lookup_min}
+
+
+def _esp(**options: Any) -> dict[str, Any]:
+    return {"method": "esp", **options}
+
+
+SUFFIX_INSTALL_HINT = (
+    "Install it with: bash benchmarks/install_suffix.sh (builds "
+    "arctic-inference 0.3.0 from source against the installed torch, ~2-3 "
+    "minutes).")
+
+_ALL = [
+    Method(BASELINE, None, "vLLM without speculation (the reference for "
+           "speed and for the greedy-output check)"),
+    Method("ngram-k3", _ngram(3, 3, 1), "vLLM prompt lookup, 3 drafts"),
+    Method("ngram-k5", _ngram(5, 4, 1), "vLLM prompt lookup, 5 drafts"),
+    Method("ngram-k10", _ngram(10, 5, 2), "vLLM prompt lookup, 10 drafts"),
+    Method("suffix", {"method": "suffix", "num_speculative_tokens": 24,
+                      "suffix_decoding_max_tree_depth": 24,
+                      "suffix_decoding_max_spec_factor": 1.0,
+                      "suffix_decoding_min_token_prob": 0.1},
+           "vLLM suffix decoding (Arctic Inference): prompt + earlier "
+           "answers; vLLM's defaults spelled out",
+           requires_module="arctic_inference", install_hint=SUFFIX_INSTALL_HINT,
+           cross_request_state=True),
+    Method("esp-4", _esp(tree=[4]), "ESP static tree [4] (k=1, block 10; the CPU default)"),
+    Method("esp-9", _esp(tree=[9]), "ESP static tree [9] (k=1, block 20)"),
+    Method("esp-29", _esp(tree=[29]), "ESP static tree [29] (k=1, block 60; the GPU default)"),
+    Method("esp-15-4", _esp(tree=[15, 4]), "ESP static tree [15, 4] (k=2, block 60)"),
+    Method("esp-bc10", _esp(block_complexity=10), "ESP dynamic tree, block complexity 10"),
+    Method("esp-bc30", _esp(block_complexity=30), "ESP dynamic tree, block complexity 30"),
+    Method("esp-bc60", _esp(block_complexity=60), "ESP dynamic tree, block complexity 60"),
+    # Slot for ESP + prompt-lookup candidates (vllm_esp.config reserves
+    # ESPConfig.candidates = ("esp", "ngram")). Fill in speculative_config
+    # and drop placeholder=True once the plugin accepts it.
+    Method("hybrid", None, "placeholder for the future ESP + prompt-lookup "
+           "hybrid; not implemented yet, skipped", placeholder=True),
+]
+
+METHODS: dict[str, Method] = {m.name: m for m in _ALL}
+
+# Sized for a ~15 min default run on 2 CPU cores.
+DEFAULT_METHODS = ("none", "ngram-k3", "suffix", "esp-4", "esp-bc30")
+
+
+def resolve(names: list[str]) -> list[Method]:
+    """Method names (or 'all' / 'default') to methods, baseline first, no
+    duplicates. Raises ValueError naming unknown methods."""
+    expanded: list[str] = []
+    for name in names:
+        if name == "all":
+            expanded.extend(METHODS)
+        elif name == "default":
+            expanded.extend(DEFAULT_METHODS)
+        else:
+            expanded.append(name)
+    unknown = [n for n in expanded if n not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; known: "
+                         f"{', '.join(METHODS)} (or 'all', 'default')")
+    ordered = list(dict.fromkeys(expanded))
+    if BASELINE in ordered:
+        ordered.remove(BASELINE)
+        ordered.insert(0, BASELINE)
+    return [METHODS[n] for n in ordered]

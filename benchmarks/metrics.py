@@ -1,0 +1,359 @@
+"""Benchmark arithmetic: pure functions over per-request records, no vLLM.
+
+Definitions (per request, then summed over requests: token-weighted)
+---------------------------------------------------------------------
+``n``             output tokens of the request.
+``spec_steps``    verification steps that carried at least one draft token
+                  (vLLM's per-request ``num_spec_steps``: the sum of its
+                  acceptance histogram). vLLM only counts a step when the
+                  request had drafts; an n-gram miss is a plain decode step
+                  and is *not* counted.
+``accepted``      draft tokens accepted over those steps (bonus excluded).
+``draft_tokens``  draft tokens proposed. For ESP this counts tree nodes, not
+                  the mask slots of its block (see vllm_esp/scheduler.py).
+
+tau (mean acceptance length, vLLM's definition)::
+
+    tau = 1 + sum(accepted) / sum(spec_steps)
+
+the mean number of tokens a verification step emits. Steps without drafts do
+not enter it, so for methods that sometimes do not draft (n-gram, suffix)
+tau overstates the saving; ``forwards_per_token`` below does not.
+
+target forwards (the target model's forward passes the request took part in,
+prefill included)::
+
+    forwards = max(n - accepted, 1 + spec_steps)
+
+Why: the prefill forward emits the first token, every later forward emits
+one token plus the drafts it accepted, so ``n = forwards + accepted``
+exactly when nothing was cut. When ``max_tokens`` (or a stop token) cuts the
+last step short, vLLM has already counted the accepted tokens that were then
+dropped, and ``n - accepted`` can undercount; it can never fall below the
+``1 + spec_steps`` forwards the request certainly made, hence the ``max``.
+Without speculation ``forwards = n``. A chunked prefill (long prompts beyond
+the scheduler's token budget) would add forwards that are not counted here.
+
+forwards per output token::
+
+    forwards_per_token = sum(forwards) / sum(n)     (1.0 without speculation)
+
+Throughput: ``tokens_per_s = sum(n) / wall_seconds`` of the whole pass (all
+requests of one workload at one batch size / concurrency). ``time per output
+token``: offline, ``1000 * wall_seconds / sum(n)`` (ms, aggregate); online,
+per request ``(latency - ttft) / (n - 1)`` (ms; TPOT as vLLM's bench tools
+define it), reported as mean and percentiles. Percentiles use linear
+interpolation between order statistics (numpy's default).
+
+Greedy match: a method's outputs are compared token for token with the
+``none`` (no speculation) outputs of the same prompts; greedy speculative
+decoding must reproduce them exactly, so any mismatch is a bug (in fp32; in
+bf16, near-ties can flip).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+SPEC_COUNTER_NAMES = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+
+
+@dataclass
+class RequestRecord:
+    """One request of one pass. Spec fields are ``None`` without speculation."""
+
+    index: int
+    category: str
+    output_token_ids: list[int]
+    spec_steps: int | None = None
+    accepted_tokens: int | None = None
+    draft_tokens: int | None = None
+    latency_s: float | None = None
+    ttft_s: float | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @classmethod
+    def from_spec_metrics(cls, index: int, category: str,
+                          output_token_ids: Sequence[int],
+                          spec_metrics: Mapping[str, Any] | None,
+                          **timing: float | None) -> "RequestRecord":
+        """Build from vLLM's per-request spec-decode metrics: the dict of
+        ``RequestSpecDecodeMetrics.to_dict()`` offline, or the response's
+        ``metrics.speculative_decoding`` online (same keys)."""
+        steps = accepted = drafts = None
+        if spec_metrics:
+            if "num_spec_steps" in spec_metrics:
+                steps = int(spec_metrics["num_spec_steps"])
+                accepted = int(spec_metrics["num_accepted_draft_tokens"])
+            else:  # the raw histogram form
+                histogram = spec_metrics["acceptance_histogram"]
+                steps = sum(histogram)
+                accepted = sum(j * c for j, c in enumerate(histogram))
+            drafts = int(spec_metrics.get("num_draft_tokens", 0))
+        return cls(index=index, category=category,
+                   output_token_ids=list(output_token_ids), spec_steps=steps,
+                   accepted_tokens=accepted, draft_tokens=drafts, **timing)
+
+    def to_json(self, include_tokens: bool = False) -> dict[str, Any]:
+        out = asdict(self)
+        tokens = out.pop("output_token_ids")
+        out["num_output_tokens"] = len(tokens)
+        out["output_sha1"] = token_digest(tokens)
+        out["target_forwards"] = target_forwards(self)
+        if include_tokens:
+            out["output_token_ids"] = tokens
+        return out
+
+
+def token_digest(token_ids: Sequence[int]) -> str:
+    return hashlib.sha1(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------- per request
+def target_forwards(record: RequestRecord) -> int:
+    """Target-model forward passes of one request (see module docstring)."""
+    n = record.num_output_tokens
+    if not record.spec_steps:
+        return n
+    return max(n - (record.accepted_tokens or 0), 1 + record.spec_steps)
+
+
+def request_tpot_s(record: RequestRecord) -> float | None:
+    """Time per output token after the first: (latency - ttft) / (n - 1)."""
+    if (record.latency_s is None or record.ttft_s is None
+            or record.num_output_tokens < 2):
+        return None
+    return (record.latency_s - record.ttft_s) / (record.num_output_tokens - 1)
+
+
+# ------------------------------------------------------------------ aggregates
+def tau(records: Iterable[RequestRecord]) -> float | None:
+    """1 + sum(accepted) / sum(spec_steps); None when nothing was drafted."""
+    steps = accepted = 0
+    for record in records:
+        if record.spec_steps:
+            steps += record.spec_steps
+            accepted += record.accepted_tokens or 0
+    return 1.0 + accepted / steps if steps else None
+
+
+def draft_acceptance_rate(records: Iterable[RequestRecord]) -> float | None:
+    drafts = accepted = 0
+    for record in records:
+        drafts += record.draft_tokens or 0
+        accepted += record.accepted_tokens or 0
+    return accepted / drafts if drafts else None
+
+
+def forwards_per_token(records: Iterable[RequestRecord]) -> float | None:
+    records = list(records)
+    tokens = sum(r.num_output_tokens for r in records)
+    if not tokens:
+        return None
+    return sum(target_forwards(r) for r in records) / tokens
+
+
+def tokens_per_second(records: Iterable[RequestRecord], seconds: float) -> float | None:
+    tokens = sum(r.num_output_tokens for r in records)
+    return tokens / seconds if seconds > 0 else None
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """q-th percentile (0..100), linear interpolation (numpy's default)."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    position = (len(values) - 1) * q / 100.0
+    low = math.floor(position)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (position - low)
+
+
+def tau_from_counters(counters: Mapping[str, float]) -> float | None:
+    """vLLM's global counters (deltas over a pass): 1 + accepted / drafts."""
+    drafts = counters.get("vllm:spec_decode_num_drafts", 0)
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+    return 1.0 + accepted / drafts if drafts else None
+
+
+def counter_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    return {name: after.get(name, 0) - before.get(name, 0)
+            for name in set(before) | set(after)}
+
+
+def parse_prometheus_counters(text: str,
+                              names: Sequence[str] = SPEC_COUNTER_NAMES) -> dict[str, float]:
+    """Sum the ``<name>_total`` samples (all label sets) of each counter in a
+    Prometheus text exposition, e.g. ``vllm:spec_decode_num_drafts_total{...} 3``.
+    Names are matched exactly (``..._accepted_tokens_per_pos`` is another
+    metric)."""
+    wanted = {f"{name}_total": name for name in names}
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        metric, _, rest = line.partition(" ")
+        metric = metric.split("{", 1)[0]
+        if metric not in wanted:
+            continue
+        if "}" in line:  # labels may contain spaces: value follows the brace
+            rest = line.rsplit("}", 1)[1]
+        value = rest.split()[0]
+        totals[wanted[metric]] = totals.get(wanted[metric], 0.0) + float(value)
+    return totals
+
+
+def _rounded(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def summarize(records: Sequence[RequestRecord], seconds: float,
+              counters: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """All figures of one pass, overall and per category (JSON-ready)."""
+    tokens = sum(r.num_output_tokens for r in records)
+    latencies = [r.latency_s for r in records if r.latency_s is not None]
+    ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
+    tpots = [t for t in map(request_tpot_s, records) if t is not None]
+    summary: dict[str, Any] = {
+        "num_requests": len(records),
+        "output_tokens": tokens,
+        "seconds": _rounded(seconds),
+        "tokens_per_s": _rounded(tokens_per_second(records, seconds), 3),
+        "ms_per_output_token": _rounded(1000.0 * seconds / tokens if tokens else None, 3),
+        "tau": _rounded(tau(records)),
+        "tau_counters": _rounded(tau_from_counters(counters or {})),
+        "draft_acceptance_rate": _rounded(draft_acceptance_rate(records)),
+        "forwards_per_token": _rounded(forwards_per_token(records)),
+        "target_forwards": sum(target_forwards(r) for r in records),
+        "spec_steps": sum(r.spec_steps or 0 for r in records),
+        "accepted_tokens": sum(r.accepted_tokens or 0 for r in records),
+        "counters": dict(counters or {}),
+    }
+    if latencies:
+        summary.update({
+            "latency_p50_s": _rounded(percentile(latencies, 50)),
+            "latency_p99_s": _rounded(percentile(latencies, 99)),
+            "latency_mean_s": _rounded(sum(latencies) / len(latencies)),
+            "ttft_p50_s": _rounded(percentile(ttfts, 50)),
+            "tpot_mean_ms": _rounded(1000 * sum(tpots) / len(tpots)) if tpots else None,
+            "tpot_p50_ms": _rounded(1000 * percentile(tpots, 50)) if tpots else None,
+            "tpot_p99_ms": _rounded(1000 * percentile(tpots, 99)) if tpots else None,
+        })
+    per_category: dict[str, dict[str, Any]] = {}
+    for category in dict.fromkeys(r.category for r in records):
+        group = [r for r in records if r.category == category]
+        per_category[category] = {
+            "num_requests": len(group),
+            "output_tokens": sum(r.num_output_tokens for r in group),
+            "tau": _rounded(tau(group)),
+            "forwards_per_token": _rounded(forwards_per_token(group)),
+        }
+    summary["per_category"] = per_category
+    return summary
+
+
+# ---------------------------------------------------------------- greedy match
+@dataclass
+class Mismatch:
+    index: int
+    category: str
+    first_difference: int  # first differing position (or the shorter length)
+    reference_tokens: int
+    candidate_tokens: int
+
+
+@dataclass
+class MatchResult:
+    compared: int = 0
+    matched: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)  # prompts absent on one side
+
+    @property
+    def rate(self) -> float | None:
+        return self.matched / self.compared if self.compared else None
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches and not self.missing
+
+    def to_json(self) -> dict[str, Any]:
+        return {"compared": self.compared, "matched": self.matched,
+                "rate": self.rate, "ok": self.ok,
+                "mismatches": [asdict(m) for m in self.mismatches],
+                "missing": self.missing}
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """First index where ``a`` and ``b`` differ; None when identical."""
+    for position, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return position
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare_outputs(reference: Sequence[RequestRecord],
+                    candidate: Sequence[RequestRecord]) -> MatchResult:
+    """Token-for-token comparison of two passes over the same prompts,
+    matched by prompt ``index``."""
+    ref = {r.index: r for r in reference}
+    cand = {r.index: r for r in candidate}
+    result = MatchResult(missing=sorted(set(ref) ^ set(cand)))
+    for index in sorted(set(ref) & set(cand)):
+        a, b = ref[index].output_token_ids, cand[index].output_token_ids
+        result.compared += 1
+        position = first_difference(a, b)
+        if position is None:
+            result.matched += 1
+        else:
+            result.mismatches.append(Mismatch(index, ref[index].category,
+                                              position, len(a), len(b)))
+    return result
+
+
+# ------------------------------------------------------------------ containers
+@dataclass
+class Prompt:
+    """One benchmark prompt: token ids with the chat template applied."""
+
+    index: int
+    category: str
+    question_id: Any
+    token_ids: list[int]
+
+
+@dataclass
+class PassResult:
+    """One method over the whole prompt set in one workload at one level
+    (offline: max batch size; online: client concurrency)."""
+
+    method: str
+    workload: str  # "offline" | "online"
+    level: int
+    seconds: float
+    records: list[RequestRecord]
+    counters: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    # Seconds to start the engine / server this pass ran on (including its
+    # warm-up request); None when the pass reused one.
+    startup_seconds: float | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.workload}-{'b' if self.workload == 'offline' else 'c'}{self.level}"
+
+    def summary(self) -> dict[str, Any]:
+        return summarize(self.records, self.seconds, self.counters)

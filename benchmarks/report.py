@@ -1,0 +1,334 @@
+"""Results: greedy-match checks, results.json, results.md and the PNG plots.
+
+Everything but ``write_plots`` is pure (dicts and strings), so the tests can
+check it without vLLM or matplotlib.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from benchmarks.methods import BASELINE
+from benchmarks.metrics import MatchResult, PassResult, compare_outputs
+
+LOUD = "!" * 78
+
+
+# ---------------------------------------------------------------- match check
+def check_matches(passes: Sequence[PassResult]) -> dict[tuple[str, str], MatchResult]:
+    """Compare every non-baseline pass with the baseline pass of the same
+    workload and level (falling back to the baseline's first pass when that
+    one is missing). Keys: (method, pass key)."""
+    baseline = {p.key: p for p in passes if p.method == BASELINE}
+    first = next(iter(baseline.values()), None)
+    results = {}
+    for p in passes:
+        if p.method == BASELINE:
+            continue
+        reference = baseline.get(p.key, first)
+        if reference is not None:
+            results[(p.method, p.key)] = compare_outputs(reference.records, p.records)
+    return results
+
+
+def baseline_consistency(passes: Sequence[PassResult]) -> dict[str, MatchResult]:
+    """The baseline's own passes against its first pass: differences here come
+    from batching numerics, not from speculation, and explain (without
+    excusing) mismatches seen at the same level."""
+    own = [p for p in passes if p.method == BASELINE]
+    if len(own) < 2:
+        return {}
+    return {p.key: compare_outputs(own[0].records, p.records) for p in own[1:]}
+
+
+def mismatch_banner(method: str, key: str, match: MatchResult) -> str:
+    lines = [LOUD, f"!!! GREEDY OUTPUT MISMATCH: {method} [{key}] vs {BASELINE}: "
+             f"{match.matched}/{match.compared} prompts identical. This is a bug."]
+    for m in match.mismatches[:10]:
+        lines.append(f"!!!   prompt {m.index} ({m.category}): first difference at "
+                     f"token {m.first_difference} ({m.reference_tokens} vs "
+                     f"{m.candidate_tokens} tokens)")
+    if len(match.mismatches) > 10:
+        lines.append(f"!!!   ... and {len(match.mismatches) - 10} more")
+    if match.missing:
+        lines.append(f"!!!   prompts missing on one side: {match.missing}")
+    lines.append(LOUD)
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------- JSON
+def build_results(meta: dict, config: dict, prompts: list[dict], methods: dict,
+                  passes: Sequence[PassResult], include_tokens: bool = False) -> dict:
+    matches = check_matches(passes)
+    consistency = baseline_consistency(passes)
+    out_passes = []
+    for p in passes:
+        match = matches.get((p.method, p.key))
+        out_passes.append({
+            "method": p.method, "workload": p.workload, "level": p.level,
+            "key": p.key, "notes": p.notes,
+            "startup_seconds": None if p.startup_seconds is None else round(p.startup_seconds, 1),
+            "summary": p.summary(),
+            "match_vs_baseline": match.to_json() if match else None,
+            "records": [r.to_json(include_tokens) for r in p.records],
+        })
+    return {
+        "meta": meta, "config": config, "prompts": prompts, "methods": methods,
+        "baseline_consistency": {k: v.to_json() for k, v in consistency.items()},
+        "passes": out_passes,
+    }
+
+
+def write_json(results: dict, path: Path) -> None:
+    path.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n")
+
+
+# ------------------------------------------------------------------- markdown
+def _fmt(value: Any, digits: int = 2, suffix: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}{suffix}"
+    return f"{value}{suffix}"
+
+
+def _passes_by(results: dict) -> dict[str, dict[str, dict]]:
+    table: dict[str, dict[str, dict]] = {}
+    for p in results["passes"]:
+        table.setdefault(p["method"], {})[p["key"]] = p
+    return table
+
+
+def _levels(results: dict, workload: str) -> list[int]:
+    return sorted({p["level"] for p in results["passes"] if p["workload"] == workload})
+
+
+def _reference_pass(passes: dict[str, dict]) -> dict | None:
+    """The pass whose tau / per-category figures represent a method: offline
+    batch 1 if present, else the first one."""
+    for key in ("offline-b1", "online-c1"):
+        if key in passes:
+            return passes[key]
+    return next(iter(passes.values()), None)
+
+
+def _match_cell(passes: dict[str, dict]) -> str:
+    compared = matched = 0
+    for p in passes.values():
+        m = p.get("match_vs_baseline")
+        if m:
+            compared += m["compared"]
+            matched += m["matched"]
+    if not compared:
+        return "(reference)" if passes and next(iter(passes.values()))["method"] == BASELINE else "-"
+    cell = f"{matched}/{compared}"
+    return cell if matched == compared else f"**{cell} MISMATCH**"
+
+
+def render_markdown(results: dict) -> str:
+    meta, config = results["meta"], results["config"]
+    by_method = _passes_by(results)
+    offline_levels = _levels(results, "offline")
+    online_levels = _levels(results, "online")
+    lines = [f"# Spec-Bench: vllm-esp ({meta.get('timestamp', '')})", ""]
+    lines += [
+        f"- command: `{meta.get('command', '')}`",
+        f"- git: `{meta.get('git_commit', '?')}`{' (dirty)' if meta.get('git_dirty') else ''}",
+        f"- vLLM {meta.get('vllm_version', '?')}, torch {meta.get('torch_version', '?')}",
+        f"- model: `{config.get('model')}`, dtype {config.get('dtype')}, "
+        f"{'torch.compile' if config.get('compile') else 'eager'}, "
+        f"prefix caching {'on' if config.get('prefix_caching') else 'off'}",
+        f"- prompts: {len(results['prompts'])} ({config.get('prompt_source')}), "
+        f"max {config.get('max_tokens')} new tokens, greedy"
+        f"{', ignore_eos' if config.get('ignore_eos') else ''}",
+        f"- machine: {meta.get('machine', {}).get('summary', '?')}; load average "
+        f"at start {meta.get('loadavg_start')}, at end {meta.get('loadavg_end')}",
+        "",
+        "tau = 1 + accepted / verification steps with drafts (vLLM's mean "
+        "acceptance length). fwd/tok = target forwards (prefill + every decode "
+        "or verification step) per output token; 1.00 without speculation. "
+        "Speedup = tokens/s over `none` at the same level. Definitions: "
+        "`benchmarks/metrics.py`.",
+        "",
+    ]
+
+    # Overall table.
+    header = ["method", "tau", "fwd/tok"]
+    for b in offline_levels:
+        header += [f"tok/s b{b}", f"speedup b{b}"]
+    top_c = online_levels[-1] if online_levels else None
+    if online_levels:
+        if online_levels[0] != top_c:
+            header += [f"tok/s c{online_levels[0]}"]
+        header += [f"tok/s c{top_c}", f"speedup c{top_c}", f"p50 / p99 latency c{top_c} (s)",
+                   f"TPOT c{top_c} (ms)"]
+    header += ["greedy match"]
+    lines += ["## Overall", "", "| " + " | ".join(header) + " |",
+              "|" + "---|" * len(header)]
+    base = by_method.get(BASELINE, {})
+
+    def speed(passes, key):
+        p = passes.get(key)
+        return p["summary"]["tokens_per_s"] if p else None
+
+    def ratio(passes, key):
+        a, b = speed(passes, key), speed(base, key)
+        return f"{a / b:.2f}x" if a and b else "-"
+
+    for method, passes in by_method.items():
+        ref = _reference_pass(passes)
+        s = ref["summary"] if ref else {}
+        row = [f"`{method}`", _fmt(s.get("tau")), _fmt(s.get("forwards_per_token"))]
+        for b in offline_levels:
+            row += [_fmt(speed(passes, f"offline-b{b}"), 1), ratio(passes, f"offline-b{b}")]
+        if online_levels:
+            if online_levels[0] != top_c:
+                row += [_fmt(speed(passes, f"online-c{online_levels[0]}"), 1)]
+            top = passes.get(f"online-c{top_c}", {}).get("summary", {})
+            row += [_fmt(top.get("tokens_per_s"), 1), ratio(passes, f"online-c{top_c}"),
+                    f"{_fmt(top.get('latency_p50_s'))} / {_fmt(top.get('latency_p99_s'))}",
+                    _fmt(top.get("tpot_mean_ms"), 1)]
+        row.append(_match_cell(passes))
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+
+    # Per-category tau.
+    categories = list(dict.fromkeys(p["category"] for p in results["prompts"]))
+    spec_methods = [m for m in by_method if m != BASELINE]
+    if spec_methods:
+        ref_keys = {m: (_reference_pass(by_method[m]) or {}).get("key") for m in spec_methods}
+        lines += ["## tau per category", "",
+                  "From each method's " + ", ".join(sorted(set(filter(None, ref_keys.values()))))
+                  + " pass.", "",
+                  "| category | " + " | ".join(f"`{m}`" for m in spec_methods) + " |",
+                  "|---|" + "---|" * len(spec_methods)]
+        for category in categories + ["overall"]:
+            row = [category if category != "overall" else "**overall**"]
+            for m in spec_methods:
+                ref = _reference_pass(by_method[m])
+                if not ref:
+                    row.append("-")
+                elif category == "overall":
+                    row.append(_fmt(ref["summary"].get("tau")))
+                else:
+                    row.append(_fmt(ref["summary"]["per_category"].get(category, {}).get("tau")))
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+
+    # Every pass.
+    lines += ["## Every pass", "",
+              "| method | pass | requests | tokens | s | tok/s | ms/tok | tau | tau (counters) "
+              "| fwd/tok | p50 / p99 latency (s) | TTFT p50 (s) | TPOT mean (ms) | match "
+              "| start-up (s) |",
+              "|" + "---|" * 15]
+    for method, passes in by_method.items():
+        for key, p in passes.items():
+            s = p["summary"]
+            m = p.get("match_vs_baseline")
+            match = "-" if not m else (f"{m['matched']}/{m['compared']}"
+                                       + ("" if m["ok"] else " **MISMATCH**"))
+            lat = (f"{_fmt(s.get('latency_p50_s'))} / {_fmt(s.get('latency_p99_s'))}"
+                   if "latency_p50_s" in s else "-")
+            lines.append("| " + " | ".join([
+                f"`{method}`", key, str(s["num_requests"]), str(s["output_tokens"]),
+                _fmt(s["seconds"], 1), _fmt(s["tokens_per_s"], 1),
+                _fmt(s["ms_per_output_token"], 1), _fmt(s["tau"]), _fmt(s["tau_counters"]),
+                _fmt(s["forwards_per_token"]), lat, _fmt(s.get("ttft_p50_s")),
+                _fmt(s.get("tpot_mean_ms"), 1), match,
+                _fmt(p.get("startup_seconds"), 0)]) + " |")
+    lines.append("")
+
+    # Notes.
+    notes = []
+    for name, info in results["methods"].items():
+        if info.get("status") != "ran":
+            notes.append(f"- `{name}` {info.get('status')}: {info.get('reason', '')}")
+    for p in results["passes"]:
+        for note in p["notes"]:
+            notes.append(f"- `{p['method']}` {p['key']}: {note}")
+    for key, m in results.get("baseline_consistency", {}).items():
+        if not m["ok"]:
+            notes.append(f"- `{BASELINE}` {key} differs from its own first pass on "
+                         f"{m['compared'] - m['matched']} prompt(s): batching numerics")
+    if notes:
+        lines += ["## Notes", ""] + notes + [""]
+    lines += ["## Methods", ""]
+    for name, info in results["methods"].items():
+        config_json = json.dumps(info.get("speculative_config"))
+        lines.append(f"- `{name}`: `{config_json}`: {info.get('description', '')}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- plots
+def write_plots(results: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    by_method = _passes_by(results)
+    categories = list(dict.fromkeys(p["category"] for p in results["prompts"]))
+    spec_methods = [m for m in by_method if m != BASELINE]
+
+    if spec_methods:
+        labels = categories + ["overall"]
+        width = 0.8 / len(spec_methods)
+        fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(labels) + 2), 4.5))
+        for i, method in enumerate(spec_methods):
+            ref = _reference_pass(by_method[method])
+            values = []
+            for category in labels:
+                if ref is None:
+                    values.append(0)
+                elif category == "overall":
+                    values.append(ref["summary"].get("tau") or 0)
+                else:
+                    values.append(ref["summary"]["per_category"].get(category, {}).get("tau") or 0)
+            ax.bar([x + (i - (len(spec_methods) - 1) / 2) * width for x in range(len(labels))],
+                   values, width, label=method)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, rotation=35, ha="right")
+        ax.set_ylabel("tau (tokens per verification step)")
+        ax.set_title(f"tau per Spec-Bench category ({results['config'].get('model_name')})")
+        ax.legend(fontsize=8, ncol=min(4, len(spec_methods)))
+        fig.tight_layout()
+        path = out_dir / "tau_per_category.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    workloads = [w for w in ("offline", "online") if _levels(results, w)]
+    if workloads:
+        fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.2),
+                                 squeeze=False)
+        for ax, workload in zip(axes[0], workloads):
+            levels = _levels(results, workload)
+            for method, passes in by_method.items():
+                xs, ys = [], []
+                for level in levels:
+                    key = f"{workload}-{'b' if workload == 'offline' else 'c'}{level}"
+                    if key in passes:
+                        xs.append(level)
+                        ys.append(passes[key]["summary"]["tokens_per_s"])
+                if xs:
+                    ax.plot(xs, ys, marker="o", label=method,
+                            linestyle="--" if method == BASELINE else "-")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(levels)
+            ax.set_xticklabels([str(x) for x in levels])
+            ax.set_xlabel("max batch size" if workload == "offline" else "client concurrency")
+            ax.set_ylabel("output tokens/s")
+            ax.set_title(f"{workload}: output tokens/s")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / "tokens_per_s_vs_concurrency.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written

