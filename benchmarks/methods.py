@@ -86,7 +86,7 @@ _ALL = [
 METHODS: dict[str, Method] = {m.name: m for m in _ALL}
 
 # Sized for a ~15 min default run on 2 CPU cores.
-DEFAULT_METHODS = ("none", "ngram-k3", "suffix", "esp-4", "esp-bc30")
+DEFAULT_METHODS = ("none", "ngram-k3", "suffix", "esp-4", "esp-15-4")
 
 
 def resolve(names: list[str]) -> list[Method]:

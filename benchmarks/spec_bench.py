@@ -10,7 +10,7 @@
 (``./run bench`` is ``python -m benchmarks.spec_bench`` inside the venv.)
 
 Every method runs in its own fresh vLLM engine on the same prompts:
-Spec-Bench first turns with the model's chat template (2 per category by
+Spec-Bench first turns with the model's chat template (1 per category by
 default, all 13 categories), greedy, ``--max-tokens`` new tokens.
 
 * offline: ``LLM.generate`` over the whole set, once per ``--batch-sizes``
@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--dataset", default=None,
         help="Spec-Bench question.jsonl (default: $VLLM_ESP_SPEC_BENCH or "
              "../shared/data/spec_bench/question.jsonl)")
-    add("--per-category", type=int, default=2, help="questions per category")
+    add("--per-category", type=int, default=1, help="questions per category")
     add("--full", action="store_true", help="all questions (480 for Spec-Bench)")
     add("--categories", nargs="+", default=None, help="only these categories")
     add("--humaneval", type=int, default=0, metavar="N",

@@ -18,7 +18,7 @@ from vllm_esp.runs import run_once
 
 pytestmark = pytest.mark.vllm
 
-NUM_SAMPLES = 3000
+NUM_SAMPLES = 2000
 PROMPT = [11, 42, 7, 300, 5, 91, 250, 3]
 
 

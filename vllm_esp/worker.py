@@ -52,6 +52,11 @@ class ESPCPUWorker(CPUWorker):
         check_vllm_version()
         register_tree_attention()
         super().__init__(*args, **kwargs)
+        from vllm_esp import cpu_kernels
+
+        # vLLM's platform overrides are installed before the worker is
+        # built, so this replaces its broken expand kernel (see module doc).
+        cpu_kernels.register()
 
     def init_device(self) -> None:
         if self.use_v2_model_runner:
