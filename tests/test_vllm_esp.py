@@ -205,7 +205,10 @@ def test_structured_output_stays_valid_and_plain_requests_unchanged(
     plain = [SamplingParams(temperature=0.0, max_tokens=len(t)) for t in baseline.token_ids[:4]]
     llm = make_llm(smollm2_dir, {"method": "esp", "tree": [4]}, max_num_seqs=6)
     try:
-        run = generate(llm, prompts[:4] + prompts[:2], plain + [structured, structured])
+        # SmolLM2 closes the JSON object within the budget for this prompt
+        # (checked against plain vLLM, which gives the same text).
+        run = generate(llm, prompts[:4] + [prompts[0], prompts[0]],
+                       plain + [structured, structured])
     finally:
         shutdown(llm)
     assert run.token_ids[:4] == baseline.token_ids[:4]

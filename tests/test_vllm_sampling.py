@@ -68,9 +68,11 @@ def test_esp_sampling_matches_plain_sampling_distribution(tiny_llama_dir):
                    speculative_config={"method": "esp", "tree": [3, 2]},
                    additional_config={"esp_candidate_source": oracle}, **common)
 
-    # Both verification outcomes must be frequent for the test to mean much.
+    # Both verification outcomes must occur for the test to mean much: drafts
+    # are accepted only while a sample follows the greedy path, so accepts
+    # are the rarer event (about 2-3% of drafts at this temperature).
     assert esp.num_drafts > NUM_SAMPLES
-    assert 0.2 * esp.num_drafts < esp.num_accepted < 1.8 * esp.num_drafts
+    assert 40 <= esp.num_accepted < esp.num_drafts
 
     for name, select in [("token 2", lambda t: t[1]), ("token 3", lambda t: t[2]),
                          ("tokens 2-3", lambda t: (t[1], t[2]))]:

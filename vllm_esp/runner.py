@@ -125,10 +125,20 @@ class ESPModelRunnerMixin:
 
     def _esp_logits_indices(self, spec_metadata, blocks, node_rows):
         """Logits rows per request: tree nodes for ESP blocks (masks are
-        computed later, only for the accepted node), vLLM's rows otherwise."""
+        computed later, only for the accepted node), vLLM's rows otherwise.
+
+        vLLM's grammar bitmask addresses logits rows by draft counts
+        (``1 + len(drafts)`` rows per request), so a step that holds a
+        structured-output request keeps vLLM's rows (the whole block) for
+        every request; tree-node rows come first in a block either way.
+        """
         num_sampled = np.asarray(spec_metadata.num_draft_tokens) + 1
         ends = np.cumsum(num_sampled)
         vllm_rows = spec_metadata.logits_indices
+        if self._batch_has_structured_output():
+            self._esp_logit_spans = [(int(end - n), int(n))
+                                     for end, n in zip(ends, num_sampled)]
+            return vllm_rows
         esp_rows = {b.batch_index: rows for b, rows in zip(blocks, node_rows)}
         segments, spans, start = [], [], 0
         for index, end in enumerate(ends):
@@ -141,6 +151,13 @@ class ESPModelRunnerMixin:
             start += rows.numel()
         self._esp_logit_spans = spans
         return torch.cat(segments)
+
+    def _batch_has_structured_output(self) -> bool:
+        for req_id in self.input_batch.req_ids:
+            params = self.requests[req_id].sampling_params
+            if params is not None and params.structured_outputs is not None:
+                return True
+        return False
 
     # --------------------------------------------------------------- forward
     def execute_model(self, scheduler_output, intermediate_tensors=None):
@@ -172,7 +189,8 @@ class ESPModelRunnerMixin:
                 end = int(vllm_draft_ends[index])
                 chain_drafts.append(vllm_drafts[end - (count - 1):end].to(torch.int32))
                 continue
-            chain = select_chain(block.draft_tree, logits[start:start + count])
+            node_logits = logits[start:start + block.layout.num_nodes]
+            chain = select_chain(block.draft_tree, node_logits)
             chains[index] = chain
             compact_rows.append(start + chain)
             chain_drafts.append(block.draft_tree.tokens[chain[1:]].to(torch.int32))
