@@ -26,14 +26,10 @@ class Method:
     # Keeps state across requests (suffix decoding caches earlier answers):
     # every pass then gets a fresh engine so that it only sees its own pass.
     cross_request_state: bool = False
-    # Placeholder for a method not implemented yet (listed, always skipped).
-    placeholder: bool = False
     tags: tuple[str, ...] = field(default=())
 
     def unavailable_reason(self) -> str | None:
         """Why this method cannot run here, or None when it can."""
-        if self.placeholder:
-            return f"{self.name}: {self.description}"
         if self.requires_module and importlib.util.find_spec(self.requires_module) is None:
             return (f"{self.name} needs the Python package providing "
                     f"'{self.requires_module}', which is not installed. "
@@ -76,11 +72,14 @@ _ALL = [
     Method("esp-bc10", _esp(block_complexity=10), "ESP dynamic tree, block complexity 10"),
     Method("esp-bc30", _esp(block_complexity=30), "ESP dynamic tree, block complexity 30"),
     Method("esp-bc60", _esp(block_complexity=60), "ESP dynamic tree, block complexity 60"),
-    # Slot for ESP + prompt-lookup candidates (vllm_esp.config reserves
-    # ESPConfig.candidates = ("esp", "ngram")). Fill in speculative_config
-    # and drop placeholder=True once the plugin accepts it.
-    Method("hybrid", None, "placeholder for the future ESP + prompt-lookup "
-           "hybrid; not implemented yet, skipped", placeholder=True),
+    Method("hybrid-bc10", _esp(block_complexity=10, candidates=["esp", "ngram"]),
+           "ESP + prompt-lookup candidates in one tree, block complexity 10 "
+           "(same block as esp-4)"),
+    Method("hybrid-bc30", _esp(block_complexity=30, candidates=["esp", "ngram"]),
+           "ESP + prompt-lookup candidates in one tree, block complexity 30"),
+    Method("lookup-bc30", _esp(block_complexity=30, candidates=["ngram"]),
+           "the hybrid's prompt-lookup source alone (chains of up to 14 "
+           "tokens, no masks), for comparison"),
 ]
 
 METHODS: dict[str, Method] = {m.name: m for m in _ALL}

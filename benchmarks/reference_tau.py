@@ -24,6 +24,8 @@ CONFIGS = {
     "esp [29]": {"tree": [29]},
     "esp [15,4]": {"tree": [15, 4]},
     "esp BC=30": {"block_complexity": 30},
+    "hybrid BC=10": {"block_complexity": 10, "candidates": ["esp", "ngram"]},
+    "hybrid BC=30": {"block_complexity": 30, "candidates": ["esp", "ngram"]},
 }
 LOOKUP = {"prompt lookup (n<=3, 10 drafts)": dict(max_ngram=3, num_draft_tokens=10)}
 
@@ -36,6 +38,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None, help="also write raw results here")
+    parser.add_argument("--configs", nargs="+", default=None,
+                        help=f"only these configs (default: all of "
+                        f"{list(CONFIGS) + list(LOOKUP)})")
     args = parser.parse_args(argv)
 
     import torch
@@ -62,6 +67,11 @@ def main(argv=None) -> int:
         runners[name] = (lambda d, p, o=options: d.prompt_lookup(
             p, args.max_tokens, eos_token_id=eos, **o), None)
 
+    if args.configs:
+        unknown = sorted(set(args.configs) - set(runners))
+        if unknown:
+            parser.error(f"unknown configs {unknown}; known: {list(runners)}")
+        runners = {name: runners[name] for name in args.configs}
     results = {}
     for name, (run, config) in runners.items():
         decoder = ReferenceDecoder(model, config)

@@ -223,7 +223,7 @@ def test_method_registry():
     assert [m.name for m in methods.resolve(["default"])] == list(methods.DEFAULT_METHODS)
     with pytest.raises(ValueError, match="unknown method"):
         methods.resolve(["esp-5"])
-    assert methods.METHODS["hybrid"].unavailable_reason()  # placeholder: skipped
+    assert methods.METHODS["hybrid-bc30"].unavailable_reason() is None
     assert methods.METHODS["esp-4"].unavailable_reason() is None
     assert methods.METHODS["suffix"].cross_request_state
 

@@ -31,6 +31,7 @@ ALLOWED_KEYS = (
     "block_complexity",
     "mask_init",
     "ema",
+    "candidates",
 )
 # vLLM's RejectionSampler asserts at most 128 drafts per request, and our
 # fallback path hands it whole blocks as chains.
@@ -64,7 +65,8 @@ class ESPConfig:
     block_complexity: int | None = None
     mask_init: str = "mean"
     ema: float = 0.1
-    # Reserved for the hybrid (ESP + prompt lookup); only "esp" today.
+    # Where tree candidates come from: ESP's mask rows and/or prompt lookup
+    # (the hybrid, vllm_esp.core.hybrid). Stored in CANDIDATE_SOURCES order.
     candidates: tuple[str, ...] = field(default=("esp",))
 
     def __post_init__(self) -> None:
@@ -112,12 +114,22 @@ class ESPConfig:
 
         if tree is None and block_complexity is None:
             tree = DEFAULT_TREES[platform][num_mask_tokens]
+        candidates = options.get("candidates", ["esp"])
+        if (isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence)
+                or not candidates
+                or any(not isinstance(c, str) or c not in CANDIDATE_SOURCES
+                       for c in candidates)
+                or len(set(candidates)) != len(candidates)):
+            raise _fail("candidates", candidates,
+                        f"a non-empty list of distinct names from "
+                        f"{list(CANDIDATE_SOURCES)}, e.g. [\"esp\", \"ngram\"]")
         return cls(
             num_mask_tokens=num_mask_tokens,
             tree=tree,
             block_complexity=block_complexity,
             mask_init=options.get("mask_init", "mean"),
             ema=options.get("ema", 0.1),
+            candidates=tuple(c for c in CANDIDATE_SOURCES if c in candidates),
         )
 
     def _validate(self) -> None:
@@ -182,9 +194,20 @@ class ESPConfig:
         return self.num_nodes - 1
 
     @property
+    def masks_per_node(self) -> int:
+        """Mask rows after each tree node: k, or 0 for prompt lookup alone
+        (``candidates=["ngram"]``), which has no use for mask logits."""
+        return self.num_mask_tokens if "esp" in self.candidates else 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.candidates != ("esp",)
+
+    @property
     def block_size(self) -> int:
-        """Q = (k + 1) * T: rows per request per verification forward."""
-        return (self.num_mask_tokens + 1) * self.num_nodes
+        """Q = (k + 1) * T: rows per request per verification forward (with
+        ``candidates=["ngram"]``, T: no mask rows)."""
+        return (self.masks_per_node + 1) * self.num_nodes
 
     @property
     def num_draft_slots(self) -> int:
@@ -202,6 +225,7 @@ class ESPConfig:
             block_complexity=data.get("block_complexity"),
             mask_init=data["mask_init"],
             ema=data["ema"],
+            candidates=tuple(data.get("candidates", ("esp",))),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -209,6 +233,7 @@ class ESPConfig:
             "num_mask_tokens": self.num_mask_tokens,
             "mask_init": self.mask_init,
             "ema": self.ema,
+            "candidates": list(self.candidates),
         }
         if self.tree is not None:
             out["tree"] = list(self.tree)

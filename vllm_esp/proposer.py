@@ -36,7 +36,8 @@ from vllm_esp.core.mask_embedding import (
     initial_mask_embedding,
 )
 from vllm_esp.core.proposal import DraftTree
-from vllm_esp.core.sources import CandidateSource, ESPMaskSource, ProposalContext
+from vllm_esp.core.sources import (CandidateSource, ProposalContext,
+                                   candidate_source)
 
 logger = logging.getLogger("vllm_esp")
 
@@ -58,12 +59,13 @@ def esp_config_from_vllm(vllm_config) -> ESPConfig:
 
 
 def candidate_source_from_vllm(vllm_config, esp_config: ESPConfig) -> CandidateSource:
-    """ESP's mask source, unless a test injects another source through
+    """The configured source (ESP masks, or the hybrid with prompt lookup),
+    unless a test injects another source through
     ``additional_config["esp_candidate_source"] = {"class": "pkg.Cls",
     "kwargs": {...}}`` (used by the oracle test; not a user option)."""
     override = (vllm_config.additional_config or {}).get("esp_candidate_source")
     if override is None:
-        return ESPMaskSource(esp_config)
+        return candidate_source(esp_config)
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
     source_cls = resolve_obj_by_qualname(override["class"])
@@ -205,6 +207,22 @@ class ESPProposer:
         with torch.inference_mode():
             embedded = self.model.embed_input_ids(ids).float().cpu()
         return list(torch.split(embedded, [len(p) for p in pieces]))
+
+
+def tree_node_count(drafts, masks_per_node: int) -> int:
+    """Draft tree nodes in a scheduled draft list: the nodes of an ESP block
+    (``n`` nodes, then ``k * (n + 1)`` mask slots), or ``len(drafts)`` for a
+    plain chain (a block the scheduler truncated). A truncated block is only
+    mistaken for a smaller tree if its tail happens to be all mask-slot ids.
+    """
+    num_slots = len(drafts)
+    per_node = masks_per_node + 1
+    if masks_per_node == 0 or (num_slots + 1) % per_node:
+        return num_slots
+    num_nodes = (num_slots + 1) // per_node  # root included
+    if all(int(t) == MASK_SLOT_TOKEN for t in drafts[num_nodes - 1:]):
+        return num_nodes - 1
+    return num_slots
 
 
 def _has_structured_output(request) -> bool:

@@ -49,8 +49,8 @@ from vllm_esp.config import ESPConfig
 from vllm_esp.core.mask_embedding import (MaskEmbeddingState,
                                           initial_mask_embedding)
 from vllm_esp.core.proposal import DraftTree
-from vllm_esp.core.sources import (CandidateSource, ESPMaskSource,
-                                   PromptLookupSource, ProposalContext)
+from vllm_esp.core.sources import (CandidateSource, PromptLookupSource,
+                                   ProposalContext, candidate_source)
 from vllm_esp.core.tree import chain_tree
 from vllm_esp.core.verify import (VerifyResult, chain_verify_sampling,
                                   greedy_verify, sample_and_match)
@@ -67,6 +67,8 @@ class DecodeResult:
     num_steps: int = 0          # verification steps (decode forwards)
     # Accepted drafts per step (a), before the max_new_tokens / EOS cut.
     accepted_per_step: list[int] = field(default_factory=list)
+    # Draft tree nodes per step (root excluded), what vLLM reports as drafted.
+    drafted_per_step: list[int] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -266,7 +268,7 @@ class ReferenceDecoder:
         mask_state = self._initial_mask_state(prompt_embeds)
 
         # Prefill (+ the paper's k masks after the last prompt token).
-        num_masks = self.config.num_mask_tokens if prefill_masks else 0
+        num_masks = self.config.masks_per_node if prefill_masks else 0
         mask_rows = mask_state.mask_embedding.to(self._dtype).expand(num_masks, -1)
         embeds = torch.cat([prompt_embeds.to(self._dtype), mask_rows])
         length = prompt_len + num_masks
@@ -307,6 +309,7 @@ class ReferenceDecoder:
             result.num_forwards += 1
             result.num_steps += 1
             result.accepted_per_step.append(verified.num_accepted)
+            result.drafted_per_step.append(tree.num_nodes - 1)
             added, done = _commit(result.tokens, verified.emitted_tokens,
                                   max_new_tokens, eos)
             mask_state.commit(self._embed(added))
@@ -320,7 +323,7 @@ class ReferenceDecoder:
             source: CandidateSource | None = None) -> DecodeResult:
         """ESP with greedy verification (output equals ``greedy``)."""
         return self.speculative(
-            prompt_ids, max_new_tokens, source or ESPMaskSource(self.config),
+            prompt_ids, max_new_tokens, source or candidate_source(self.config),
             greedy_verify, lambda logits: int(logits.argmax()),
             eos_token_id=eos_token_id, prefill_masks=prefill_masks)
 
@@ -350,7 +353,7 @@ class ReferenceDecoder:
             return sample_and_match(tree, node_probs, generator)
 
         return self.speculative(
-            prompt_ids, max_new_tokens, source or ESPMaskSource(self.config),
+            prompt_ids, max_new_tokens, source or candidate_source(self.config),
             verify, pick_first, eos_token_id=eos_token_id, prefill_masks=prefill_masks)
 
     def prompt_lookup(self, prompt_ids, max_new_tokens: int,

@@ -227,10 +227,12 @@ class ESPModelRunnerMixin:
             probe_blocks.append(block)
         self._relocate_kv(step, torch.cat(moved_sources), torch.cat(moved_rows))
 
+        k = self.esp_config.masks_per_node
+        if k == 0:  # prompt lookup alone: no mask rows to probe
+            return
         hidden_states = step.hidden_states[torch.cat(probe_rows).to(
             step.hidden_states.device)]
         mask_logits = self.model.compute_logits(hidden_states)
-        k = self.esp_config.num_mask_tokens
         for block_number, block in enumerate(probe_blocks):
             self.drafter.mask_logits[block.req_id] = mask_logits[
                 block_number * k:(block_number + 1) * k].cpu()

@@ -18,6 +18,10 @@ CONFIGS = {
     "[15,4]": ESPConfig(num_mask_tokens=2, tree=(15, 4)),
     "BC=30": ESPConfig(tree=None, block_complexity=30),
     "k=3": ESPConfig(num_mask_tokens=3, tree=(2, 1, 1)),
+    "hybrid BC=30": ESPConfig(tree=None, block_complexity=30,
+                              candidates=("esp", "ngram")),
+    "hybrid k=2 BC=24": ESPConfig(num_mask_tokens=2, tree=None, block_complexity=24,
+                                  candidates=("esp", "ngram")),
 }
 NEW_TOKENS = 32
 
@@ -113,6 +117,30 @@ def test_prompt_lookup_equals_plain_greedy(llama):
     assert lookup.tau > 1.3
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_hybrid_ngram_only_reproduces_prompt_lookup_steps(llama, seed):
+    """``candidates=["ngram"]`` is prompt lookup: same tokens, same steps,
+    same accepted count at every step."""
+    config = ESPConfig(tree=None, block_complexity=22, candidates=("ngram",))
+    decoder = ReferenceDecoder(llama, config)
+    prompt = _prompt(seed)
+    hybrid = decoder.esp(prompt, 40)
+    lookup = decoder.prompt_lookup(prompt, 40, num_draft_tokens=config.node_budget)
+    assert hybrid.tokens == lookup.tokens
+    assert hybrid.accepted_per_step == lookup.accepted_per_step
+    assert sum(hybrid.accepted_per_step) > 0  # the tiny model loops: lookup accepts
+
+
+def test_hybrid_accepts_at_least_what_either_source_would_on_loops(llama):
+    """On the tiny model's repetitive output the hybrid must do at least as
+    well as ESP alone at the same block budget (lookup catches the loops)."""
+    prompt = _prompt(0)
+    esp = ReferenceDecoder(llama, ESPConfig(tree=None, block_complexity=30)).esp(prompt, 40)
+    hybrid = ReferenceDecoder(llama, CONFIGS["hybrid BC=30"]).esp(prompt, 40)
+    assert hybrid.tokens == esp.tokens
+    assert hybrid.num_steps < esp.num_steps
+
+
 class OracleSource:
     """Test-only source that knows the true continuation and hides it in a
     tree among distractors: root -> {d, TRUE, d}; TRUE -> {d, TRUE};
@@ -164,7 +192,7 @@ def test_oracle_source_reaches_full_acceptance(model_name, name):
 
 # ------------------------------------------------------------ sampling losslessness
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("name", ["[4]", "[15,4]", "BC=30"])
+@pytest.mark.parametrize("name", ["[4]", "[15,4]", "BC=30", "hybrid BC=30"])
 def test_sample_and_match_reproduces_plain_sampling(llama, name, seed):
     decoder = ReferenceDecoder(llama, CONFIGS[name])
     prompt = _prompt(seed)

@@ -38,6 +38,9 @@ from vllm_esp.core.tree import (BlockLayout, TreeSpec, block_layout,
 
 __all__ = [
     "DraftTree",
+    "ScoredCandidates",
+    "esp_candidates",
+    "select_tree",
     "static_next_tree",
     "dynamic_next_tree",
     "placeholder_tree",
@@ -122,34 +125,30 @@ def static_next_tree(mask_logits: torch.Tensor, widths: Sequence[int],
     return DraftTree(tree_spec, torch.cat(tokens))
 
 
-def dynamic_next_tree(mask_logits: torch.Tensor, node_budget: int,
-                      root_token: int) -> DraftTree:
-    """Best-first tree under a node budget (paper Algorithm 1).
+@dataclass(frozen=True, eq=False)
+class ScoredCandidates:
+    """Candidate nodes with scores, before the budgeted selection.
 
-    Scores are cumulative log-probabilities, ``log P(c) = log P(parent) +
-    log p_i(token)``, where ``p_i`` is mask ``i``'s distribution (the masks'
-    distributions do not depend on the path, so level ``i``'s candidate
-    tokens are the same under every parent, minus the parent's own token).
-
-    Level ``i`` (1-based, ``i = 1..k``): every frontier node gets its
-    ``W_i = B - i + 1`` best children from mask ``i`` (parent-repeat pruned),
-    and the ``W_i`` best of all of them form the next frontier. Finally the
-    ``B`` best nodes overall are kept.
-
-    Deviation note: the paper writes ``B - i``; we read its ``i`` as 0-based.
-    With 1-based levels, ``B - i + 1`` is exactly what is needed for the
-    result to equal the global top-``B`` of the unbounded tree: a level-``i``
-    node in the top ``B`` has ``i - 1`` ancestors there too, so at most
-    ``B - i + 1`` level-``i`` nodes can be in it. With ``B - i`` a ``k = 1``
-    tree could never reach ``B`` nodes.
-
-    The kept set is ancestor-closed: a child's score never exceeds its
-    parent's (log-probabilities are <= 0 and float addition of a non-positive
-    number is monotone), and ties are broken towards smaller depth. The tree
-    has exactly ``B`` draft nodes whenever ``V > B``. Output nodes are in BFS
-    order: by depth, then by descending score, so each level's most probable
-    node comes first, as in static trees.
+    Index 0 is the root (parent -1, score 0). ``scores`` are log-estimates of
+    the probability that the path to the node is accepted; a child's score
+    never exceeds its parent's, which is what makes a top-``B`` selection
+    ancestor-closed. Nodes are in creation order, parents before children.
     """
+
+    parents: torch.Tensor  # [N] int64
+    tokens: torch.Tensor  # [N] int64
+    scores: torch.Tensor  # [N] float32
+    depths: torch.Tensor  # [N] int64
+
+    @property
+    def num_candidates(self) -> int:
+        return int(self.parents.numel())
+
+
+def esp_candidates(mask_logits: torch.Tensor, node_budget: int,
+                   root_token: int) -> ScoredCandidates:
+    """Candidates of the dynamic tree (paper Algorithm 1), before the final
+    top-``B`` cut; see ``dynamic_next_tree``."""
     budget = int(node_budget)
     if budget < 1:
         raise ValueError(f"dynamic_next_tree: node_budget must be >= 1, got {budget}")
@@ -197,22 +196,32 @@ def dynamic_next_tree(mask_logits: torch.Tensor, node_budget: int,
         all_tokens.append(frontier_tokens)
         all_scores.append(frontier_scores)
         all_depths.append(torch.full_like(parents, level))
+    return ScoredCandidates(torch.cat(all_parents), torch.cat(all_tokens),
+                            torch.cat(all_scores), torch.cat(all_depths))
 
-    parents = torch.cat(all_parents)
-    tokens = torch.cat(all_tokens)
-    scores = torch.cat(all_scores)
-    depths = torch.cat(all_depths)
 
-    # Keep the root plus the B best nodes; candidates are already grouped by
-    # depth in creation order, so a stable sort breaks ties towards shallower
-    # nodes, which keeps the set ancestor-closed even on equal scores.
-    order = torch.sort(scores[1:], descending=True, stable=True).indices + 1
-    kept = torch.cat([torch.zeros(1, dtype=torch.long), order[:budget]])
+def select_tree(candidates: ScoredCandidates, node_budget: int,
+                num_mask_tokens: int) -> DraftTree:
+    """The root plus the ``node_budget`` best candidates, as a BFS-ordered tree.
+
+    Ties are broken towards smaller depth, then creation order, so the kept
+    set stays ancestor-closed even on equal scores (a child never outscores
+    its parent). Output nodes are ordered by depth, then by descending score,
+    so each level's most probable node comes first.
+    """
+    parents, tokens = candidates.parents, candidates.tokens
+    scores, depths = candidates.scores, candidates.depths
+    num_created = candidates.num_candidates
+    # Score descending, then depth ascending: sort by depth first (stable),
+    # then stably by score.
+    by_depth = torch.sort(depths[1:], stable=True).indices + 1
+    order = by_depth[torch.sort(scores[by_depth], descending=True,
+                                stable=True).indices]
+    kept = torch.cat([torch.zeros(1, dtype=torch.long), order[:int(node_budget)]])
     is_kept = torch.zeros(num_created, dtype=torch.bool)
     is_kept[kept] = True
-    kept_parents = parents[kept[1:]]
-    if not bool(is_kept[kept_parents].all()):
-        raise AssertionError("dynamic_next_tree: kept set is not ancestor-closed")
+    if not bool(is_kept[parents[kept[1:]]].all()):
+        raise AssertionError("select_tree: kept set is not ancestor-closed")
 
     # BFS order: by depth, then by descending score. `kept` is already in
     # descending-score order (root first), so a stable sort by depth does it.
@@ -220,8 +229,38 @@ def dynamic_next_tree(mask_logits: torch.Tensor, node_budget: int,
     new_id = torch.full((num_created,), -1, dtype=torch.long)
     new_id[bfs] = torch.arange(bfs.numel())
     new_parents = torch.where(bfs == 0, -1, new_id[parents[bfs].clamp(min=0)])
-    tree_spec = TreeSpec(tuple(new_parents.tolist()), num_mask_tokens=num_levels)
+    tree_spec = TreeSpec(tuple(new_parents.tolist()), num_mask_tokens=num_mask_tokens)
     return DraftTree(tree_spec, tokens[bfs])
+
+
+def dynamic_next_tree(mask_logits: torch.Tensor, node_budget: int,
+                      root_token: int) -> DraftTree:
+    """Best-first tree under a node budget (paper Algorithm 1).
+
+    Scores are cumulative log-probabilities, ``log P(c) = log P(parent) +
+    log p_i(token)``, where ``p_i`` is mask ``i``'s distribution (the masks'
+    distributions do not depend on the path, so level ``i``'s candidate
+    tokens are the same under every parent, minus the parent's own token).
+
+    Level ``i`` (1-based, ``i = 1..k``): every frontier node gets its
+    ``W_i = B - i + 1`` best children from mask ``i`` (parent-repeat pruned),
+    and the ``W_i`` best of all of them form the next frontier. Finally the
+    ``B`` best nodes overall are kept (``select_tree``).
+
+    Deviation note: the paper writes ``B - i``; we read its ``i`` as 0-based.
+    With 1-based levels, ``B - i + 1`` is exactly what is needed for the
+    result to equal the global top-``B`` of the unbounded tree: a level-``i``
+    node in the top ``B`` has ``i - 1`` ancestors there too, so at most
+    ``B - i + 1`` level-``i`` nodes can be in it. With ``B - i`` a ``k = 1``
+    tree could never reach ``B`` nodes.
+
+    The kept set is ancestor-closed: a child's score never exceeds its
+    parent's (log-probabilities are <= 0 and float addition of a non-positive
+    number is monotone), and ties are broken towards smaller depth. The tree
+    has exactly ``B`` draft nodes whenever ``V > B``.
+    """
+    candidates = esp_candidates(mask_logits, node_budget, root_token)
+    return select_tree(candidates, node_budget, num_mask_tokens=mask_logits.shape[0])
 
 
 def placeholder_tree(config: ESPConfig, root_token: int) -> DraftTree:

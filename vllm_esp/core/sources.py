@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from vllm_esp.config import ESPConfig
+from vllm_esp.core.hybrid import find_ngram_matches, hybrid_next_tree
 from vllm_esp.core.proposal import DraftTree, next_tree, placeholder_tree
 from vllm_esp.core.tree import chain_tree
 
@@ -35,6 +36,8 @@ __all__ = [
     "CandidateSource",
     "ESPMaskSource",
     "PromptLookupSource",
+    "HybridSource",
+    "candidate_source",
     "find_ngram_continuation",
 ]
 
@@ -80,17 +83,11 @@ def find_ngram_continuation(token_ids: np.ndarray, max_ngram: int, min_ngram: in
     The continuation is cut at the end of the history, so it can be shorter
     than ``max_tokens``.
     """
-    num_tokens = token_ids.shape[0]
-    for n in range(min(max_ngram, num_tokens - 1), min_ngram - 1, -1):
-        suffix = token_ids[num_tokens - n:]
-        # Windows starting at 0 .. num_tokens - n - 1: all earlier occurrences,
-        # each followed by at least one token. One vectorised compare per n.
-        windows = np.lib.stride_tricks.sliding_window_view(token_ids[:-1], n)
-        matches = np.flatnonzero((windows == suffix).all(axis=1))
-        if matches.size:
-            start = int(matches[-1]) + n
-            return token_ids[start:start + max_tokens]
-    return token_ids[:0]
+    _, starts = find_ngram_matches(token_ids, max_ngram, min_ngram)
+    if starts.size == 0:
+        return token_ids[:0]
+    start = int(starts[-1])
+    return token_ids[start:start + max_tokens]
 
 
 class PromptLookupSource:
@@ -112,15 +109,46 @@ class PromptLookupSource:
         self.num_mask_tokens = num_mask_tokens
 
     def propose(self, context: ProposalContext) -> DraftTree | None:
-        token_ids = context.token_ids
-        if torch.is_tensor(token_ids):
-            token_ids = token_ids.cpu().numpy()
-        token_ids = np.asarray(token_ids, dtype=np.int64)
-        if token_ids.size == 0 or int(token_ids[-1]) != int(context.root_token):
-            raise ValueError("ProposalContext.token_ids must end with root_token")
+        token_ids = _history(context)
         drafts = find_ngram_continuation(token_ids, self.max_ngram, self.min_ngram,
                                          self.num_draft_tokens)
         if drafts.size == 0:
             return None
         tokens = torch.from_numpy(np.concatenate([token_ids[-1:], drafts]))
         return DraftTree(chain_tree(int(drafts.size), self.num_mask_tokens), tokens)
+
+
+def _history(context: ProposalContext) -> np.ndarray:
+    token_ids = context.token_ids
+    if torch.is_tensor(token_ids):
+        token_ids = token_ids.cpu().numpy()
+    token_ids = np.asarray(token_ids, dtype=np.int64)
+    if token_ids.size == 0 or int(token_ids[-1]) != int(context.root_token):
+        raise ValueError("ProposalContext.token_ids must end with root_token")
+    return token_ids
+
+
+class HybridSource:
+    """ESP mask candidates and prompt-lookup candidates in one tree under the
+    config's node budget (``vllm_esp.core.hybrid``)."""
+
+    def __init__(self, config: ESPConfig) -> None:
+        self.config = config
+
+    def propose(self, context: ProposalContext) -> DraftTree | None:
+        config = self.config
+        tree = hybrid_next_tree(
+            _history(context), context.root_token, context.mask_logits,
+            node_budget=config.node_budget,
+            num_mask_tokens=config.num_mask_tokens,
+            candidates=config.candidates)
+        if tree is None and "esp" in config.candidates:
+            return placeholder_tree(config, context.root_token)
+        return tree
+
+
+def candidate_source(config: ESPConfig) -> CandidateSource:
+    """The source ``config.candidates`` asks for: ESP alone, or the hybrid."""
+    if tuple(config.candidates) == ("esp",):
+        return ESPMaskSource(config)
+    return HybridSource(config)

@@ -1,0 +1,199 @@
+"""Hybrid trees: ESP mask candidates + prompt-lookup candidates in one block."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_esp.config import ESPConfig, ESPConfigError
+from vllm_esp.core.hybrid import (find_ngram_matches, hybrid_next_tree,
+                                  lookup_candidates, merge_candidates)
+from vllm_esp.core.proposal import dynamic_next_tree, esp_candidates
+from vllm_esp.core.sources import (ESPMaskSource, HybridSource,
+                                   PromptLookupSource, ProposalContext,
+                                   candidate_source)
+
+X, THE, CAT, SAT, DOT, IS, WAS = range(7)
+VOCAB = 10
+DOC_ACCEPT = (0.0, 0.25, 0.45, 0.6, 0.7, 0.75)
+
+
+def _mask_logits(probs: dict[int, float], vocab: int = VOCAB) -> torch.Tensor:
+    rest = (1.0 - sum(probs.values())) / (vocab - len(probs))
+    p = torch.full((vocab,), rest)
+    for token, value in probs.items():
+        p[token] = value
+    return p.log()[None]
+
+
+def _paths(tree) -> set[tuple[int, ...]]:
+    """Every node as its root-to-node token path (order-independent view)."""
+    parents, tokens = tree.tree_spec.parents, tree.tokens.tolist()
+    paths = set()
+    for node in range(1, len(parents)):
+        path, current = [], node
+        while current > 0:
+            path.append(tokens[current])
+            current = parents[current]
+        paths.add(tuple(reversed(path)))
+    return paths
+
+
+def test_docstring_worked_example():
+    history = np.array([X, THE, CAT, SAT, DOT, THE, CAT])
+    mask = _mask_logits({IS: 0.5, SAT: 0.3, WAS: 0.1})
+    tree = hybrid_next_tree(history, CAT, mask, node_budget=4, num_mask_tokens=1,
+                            candidates=("esp", "ngram"), esp_weight=0.5,
+                            lookup_accept=DOC_ACCEPT)
+    assert tree.root_token == CAT
+    assert tree.tree_spec.num_mask_tokens == 1
+    assert _paths(tree) == {(SAT,), (SAT, DOT), (SAT, DOT, THE), (IS,)}
+    # BFS order, most probable first within a level.
+    assert tree.tokens.tolist() == [CAT, SAT, IS, DOT, THE]
+    assert tree.tree_spec.parents == (-1, 0, 0, 1, 3)
+
+
+def test_find_ngram_matches_longest_then_all_occurrences():
+    history = np.array([1, 2, 3, 9, 2, 3, 8, 5, 2, 3])
+    n, starts = find_ngram_matches(history, 3, 1)
+    assert n == 2 and starts.tolist() == [3, 6]
+    assert find_ngram_matches(np.array([1, 2, 3]), 3, 1)[1].size == 0
+
+
+def test_lookup_scores_fall_along_the_chain_and_use_match_count():
+    # "2 3" occurred twice: followed by 9 once and by 8 (most recent) once.
+    history = np.array([1, 2, 3, 9, 2, 3, 8, 5, 2, 3])
+    chain = lookup_candidates(history, node_budget=3, lookup_accept=DOC_ACCEPT)
+    assert chain.tokens.tolist() == [3, 8, 5, 2]
+    assert chain.parents.tolist() == [-1, 0, 1, 2]
+    expected = np.cumsum(np.log([0.45, 0.6, 0.7])) + np.log(0.5)
+    np.testing.assert_allclose(chain.scores[1:].numpy(), expected, rtol=1e-6)
+    # With agreeing occurrences the same chain scores higher.
+    agreeing = np.array([1, 2, 3, 8, 5, 2, 3, 8, 5, 2, 3])
+    higher = lookup_candidates(agreeing, node_budget=1, lookup_accept=DOC_ACCEPT)
+    assert higher.scores[1] > chain.scores[1]
+    assert bool((chain.scores[1:] <= chain.scores[:-1]).all())
+
+
+def test_merge_shares_prefix_and_keeps_larger_score():
+    mask = torch.randn(2, VOCAB)
+    tree = esp_candidates(mask, 4, root_token=0)
+    first = int(tree.tokens[1])  # most probable level-1 candidate
+    chain = lookup_candidates(np.array([0, first, 7, 0]), node_budget=3)
+    merged = merge_candidates(tree, chain)
+    shared = int(torch.nonzero((merged.parents == 0) & (merged.tokens == first))[0, 0])
+    assert shared == 1
+    assert merged.scores[1] == max(tree.scores[1], chain.scores[1])
+    # The rest of the chain hangs below the shared node, once.
+    assert merged.num_candidates == tree.num_candidates + 2
+    new = merged.num_candidates - 2
+    assert merged.parents[new:].tolist() == [1, new]
+    assert merged.depths[new:].tolist() == [2, 3]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_hybrid_tree_respects_budget_and_is_a_tree(seed):
+    generator = np.random.default_rng(seed)
+    vocab = int(generator.integers(4, 40))
+    budget = int(generator.integers(1, 20))
+    k = int(generator.integers(1, 4))
+    history = generator.integers(0, vocab, size=int(generator.integers(2, 60)))
+    mask = torch.from_numpy(generator.normal(size=(k, vocab))).float() * 3
+    tree = hybrid_next_tree(history, int(history[-1]), mask, budget, k,
+                            ("esp", "ngram"))
+    assert 1 <= tree.num_nodes - 1 <= budget
+    assert tree.tree_spec.num_mask_tokens == k
+    assert tree.layout.block_size <= (k + 1) * (budget + 1)
+    # No two siblings share a token (duplicates are merged).
+    parents, tokens = tree.tree_spec.parents, tree.tokens.tolist()
+    siblings = {(parents[i], tokens[i]) for i in range(1, len(parents))}
+    assert len(siblings) == len(parents) - 1
+    # Every node comes from a source: an ESP candidate path or a prefix of
+    # the lookup chain.
+    esp_paths = _paths(dynamic_next_tree(mask, budget, int(history[-1])))
+    chain = lookup_candidates(history, budget)
+    chain_paths = set() if chain is None else {
+        tuple(chain.tokens[1:d + 1].tolist()) for d in range(1, chain.num_candidates)}
+    assert _paths(tree) <= esp_paths | chain_paths
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_ngram_only_is_exactly_prompt_lookup(seed):
+    generator = np.random.default_rng(seed)
+    history = generator.integers(0, 6, size=int(generator.integers(2, 50)))
+    budget = int(generator.integers(1, 12))
+    config = ESPConfig.from_dict({"block_complexity": 2 * (budget + 1),
+                                  "candidates": ["ngram"]})
+    assert config.node_budget == budget
+    context = ProposalContext(history, int(history[-1]))
+    hybrid = candidate_source(config).propose(context)
+    lookup = PromptLookupSource(3, 1, num_draft_tokens=budget).propose(context)
+    if lookup is None:
+        assert hybrid is None
+    else:
+        assert hybrid.tree_spec == lookup.tree_spec  # a chain, no masks
+        assert hybrid.tokens.tolist() == lookup.tokens.tolist()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_without_lookup_match_hybrid_is_the_dynamic_esp_tree(seed):
+    generator = torch.Generator().manual_seed(seed)
+    k = seed % 3 + 1
+    mask = torch.randn(k, 50, generator=generator) * 2
+    history = np.arange(10, 30)  # no repeated token: no lookup match
+    config = ESPConfig.from_dict({"block_complexity": 24, "num_mask_tokens": k,
+                                  "candidates": ["esp", "ngram"]})
+    hybrid = HybridSource(config).propose(ProposalContext(history, 29, mask))
+    esp = dynamic_next_tree(mask, config.node_budget, 29)
+    assert hybrid.tree_spec == esp.tree_spec
+    assert hybrid.tokens.tolist() == esp.tokens.tolist()
+
+
+def test_first_step_uses_lookup_or_placeholder():
+    config = ESPConfig.from_dict({"block_complexity": 10, "candidates": ["esp", "ngram"]})
+    source = HybridSource(config)
+    no_match = source.propose(ProposalContext([5, 6, 7], 7))
+    assert no_match.draft_tokens.tolist() == [7, 7, 7, 7]  # ESP placeholder
+    match = source.propose(ProposalContext([5, 6, 7, 5, 6], 6))
+    assert match.draft_tokens.tolist() == [7, 5, 6]
+    assert match.tree_spec.num_mask_tokens == 1
+
+
+def test_strong_lookup_takes_budget_from_weak_esp():
+    history = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3])
+    flat = torch.zeros(1, 20)  # ESP knows nothing: uniform masks
+    tree = hybrid_next_tree(history, 3, flat, node_budget=6, num_mask_tokens=1,
+                            candidates=("esp", "ngram"))
+    assert (4, 5, 6, 7, 8, 9) in _paths(tree)
+    confident = _mask_logits({11: 0.97}, vocab=20)
+    tree = hybrid_next_tree(history, 3, confident, node_budget=6, num_mask_tokens=1,
+                            candidates=("esp", "ngram"))
+    assert (11,) in _paths(tree) and (4,) in _paths(tree)
+
+
+def test_config_candidates():
+    assert isinstance(candidate_source(ESPConfig.from_dict({})), ESPMaskSource)
+    config = ESPConfig.from_dict({"block_complexity": 30, "candidates": ["ngram", "esp"]})
+    assert config.candidates == ("esp", "ngram") and config.is_hybrid
+    assert config.block_size == 30 and config.masks_per_node == 1
+    assert ESPConfig.from_serialized(config.to_dict()) == config
+    lookup_only = ESPConfig.from_dict({"block_complexity": 30, "candidates": ["ngram"]})
+    assert lookup_only.masks_per_node == 0 and lookup_only.block_size == 15
+    for bad in (["esp", "esp"], [], "esp", ["eagle"], [["esp"]]):
+        with pytest.raises(ESPConfigError, match="'candidates'.*esp.*ngram"):
+            ESPConfig.from_dict({"candidates": bad})
+
+
+def test_esp_weight_does_not_change_esp_ordering():
+    mask = torch.randn(2, 30)
+    base = esp_candidates(mask, 6, 0)
+    history = np.arange(40, 60)
+    for weight in (0.1, 1.0):
+        tree = hybrid_next_tree(history, 59, mask, 6, 2, ("esp", "ngram"),
+                                esp_weight=weight)
+        esp = dynamic_next_tree(mask, 6, 0)
+        assert tree.tokens[1:].tolist() == esp.tokens[1:].tolist()
+    assert math.isclose(float(base.scores[0]), 0.0)

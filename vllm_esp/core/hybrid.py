@@ -1,0 +1,189 @@
+"""Hybrid draft trees: ESP mask candidates and prompt-lookup candidates in
+one verification block, under one node budget.
+
+ESP and prompt lookup fail in different places: lookup is strong where the
+answer copies earlier text (extraction, summarisation, code edits), ESP where
+it does not. Both only propose tokens for the same block, so one block can
+hold both and verification keeps whichever is right.
+
+Algorithm (one call per request per step):
+
+1. **Lookup candidates.** The longest suffix n-gram (``max_ngram`` down to
+   ``min_ngram``) with an earlier occurrence; its most recent occurrence's
+   continuation becomes a chain ``c_1 .. c_L`` (``L <= B``). Node ``c_d``
+   scores ``sum_{j<=d} log q(n + j - 1) + log f_d``: ``q(m)`` is the
+   measured chance that a lookup token is accepted after an ``m``-token
+   match (accepting a token lengthens the match), and ``f_d`` the fraction
+   of the n-gram's occurrences whose continuation agrees with ``c_1..c_d``
+   (the match count signal).
+2. **ESP candidates.** The dynamic tree's candidates (paper Algorithm 1,
+   ``esp_candidates``): cumulative mask log-probabilities, plus
+   ``log ESP_WEIGHT`` (mask probabilities overstate acceptance).
+3. **Merge.** The chain is walked down the ESP candidates: where
+   ``c_1..c_d`` is also an ESP path, the node is shared and keeps the larger
+   score; the rest of the chain hangs below the last shared node.
+4. **Select.** The root plus the ``B`` best-scored nodes (``select_tree``).
+   Both sources' scores fall along every path, so the kept set is a tree.
+   Every node carries the ``k`` masks, since any node can be the last
+   accepted one and its masks seed the next step's ESP candidates.
+
+Worked example, ``B = 4``, ``k = 1``, ``q = (0, .25, .45, .6, .7, .75)``,
+ESP weight 0.5, history ``x the cat sat . the cat`` (root ``cat``):
+
+    lookup: the 2-gram "the cat" occurred once, followed by "sat . the cat":
+            sat .45, "." .45*.6 = .27, the .27*.7 = .19, cat .19*.75 = .14
+    ESP:    mask top candidates is (p .5), sat (.3), was (.1), scaled by .5:
+            is .25, sat .15, was .05
+    merge:  "sat" is in both: one node, score max(.45, .15) = .45
+    select: the best 4 are sat .45, "." .27, is .25, the .19
+
+    tree:   cat -> {sat -> . -> the, is}     (scores shown as probabilities)
+
+With only ``"ngram"`` the tree is exactly ``PromptLookupSource``'s chain of
+``B`` tokens (no masks); with only ``"esp"`` the hybrid is not used
+(``candidate_source`` returns ``ESPMaskSource``). Merged nodes are verified
+like any node, so the method stays lossless whatever the scores are; the
+scores only decide which candidates get the budget.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from vllm_esp.core.proposal import (DraftTree, ScoredCandidates,
+                                    esp_candidates, select_tree)
+
+__all__ = [
+    "LOOKUP_MAX_NGRAM",
+    "LOOKUP_MIN_NGRAM",
+    "find_ngram_matches",
+    "lookup_candidates",
+    "merge_candidates",
+    "hybrid_next_tree",
+]
+
+LOOKUP_MAX_NGRAM = 3
+LOOKUP_MIN_NGRAM = 1
+
+# q(m): chance that the next lookup token is accepted after an m-token match
+# (m >= len - 1 uses the last entry). Measured on SmolLM2-135M greedy
+# outputs of Spec-Bench (see benchmarks/calibrate_hybrid.py); only the
+# ranking of candidates depends on them, never the output.
+LOOKUP_ACCEPT = (0.0, 0.25, 0.45, 0.6, 0.7, 0.75)
+# Mask probabilities are scaled by this before competing with lookup nodes.
+ESP_WEIGHT = 0.5
+
+
+def _lookup_accept(match_length: np.ndarray, table: Sequence[float]) -> np.ndarray:
+    table = np.asarray(table, dtype=np.float64)
+    return table[np.minimum(match_length, len(table) - 1)]
+
+
+def find_ngram_matches(token_ids: np.ndarray, max_ngram: int,
+                       min_ngram: int) -> tuple[int, np.ndarray]:
+    """The longest suffix n-gram (``max_ngram`` down to ``min_ngram``) that
+    occurred before, and where each earlier occurrence's continuation starts
+    (ascending, so the most recent is last). ``(0, [])`` if none."""
+    num_tokens = token_ids.shape[0]
+    for n in range(min(max_ngram, num_tokens - 1), min_ngram - 1, -1):
+        suffix = token_ids[num_tokens - n:]
+        # Windows starting at 0 .. num_tokens - n - 1: all earlier occurrences,
+        # each followed by at least one token. One vectorised compare per n.
+        windows = np.lib.stride_tricks.sliding_window_view(token_ids[:-1], n)
+        matches = np.flatnonzero((windows == suffix).all(axis=1))
+        if matches.size:
+            return n, matches + n
+    return 0, np.zeros(0, dtype=np.int64)
+
+
+def lookup_candidates(token_ids: np.ndarray, node_budget: int,
+                      max_ngram: int = LOOKUP_MAX_NGRAM,
+                      min_ngram: int = LOOKUP_MIN_NGRAM,
+                      lookup_accept: Sequence[float] = LOOKUP_ACCEPT,
+                      ) -> ScoredCandidates | None:
+    """The prompt-lookup chain as scored candidates (root first), or None."""
+    match_length, starts = find_ngram_matches(token_ids, max_ngram, min_ngram)
+    if starts.size == 0:
+        return None
+    num_tokens = token_ids.shape[0]
+    chain_start = int(starts[-1])
+    chain = token_ids[chain_start:chain_start + int(node_budget)]
+    length = chain.shape[0]
+    # Continuations of every occurrence, padded with -1 past the history.
+    offsets = starts[:, None] + np.arange(length)[None, :]
+    continuations = np.where(offsets < num_tokens,
+                             token_ids[np.minimum(offsets, num_tokens - 1)], -1)
+    agree = np.cumprod(continuations == chain[None, :], axis=1).mean(axis=0)
+    accept = _lookup_accept(match_length + np.arange(length), lookup_accept)
+    scores = np.cumsum(np.log(accept)) + np.log(agree)
+    root = int(token_ids[-1])
+    return ScoredCandidates(
+        parents=torch.arange(-1, length, dtype=torch.long),
+        tokens=torch.from_numpy(np.concatenate([[root], chain]).astype(np.int64)),
+        scores=torch.from_numpy(np.concatenate([[0.0], scores]).astype(np.float32)),
+        depths=torch.arange(length + 1, dtype=torch.long),
+    )
+
+
+def merge_candidates(tree: ScoredCandidates, chain: ScoredCandidates) -> ScoredCandidates:
+    """Hang ``chain`` (a root-first chain) into ``tree``, sharing the prefix
+    they have in common; a shared node keeps the larger of the two scores."""
+    parents, tokens = tree.parents, tree.tokens
+    scores = tree.scores.clone()
+    attach = 0  # node of `tree` the rest of the chain hangs below
+    depth = 1
+    max_depth = int(tree.depths.max())
+    chain_length = chain.num_candidates - 1
+    while depth <= min(chain_length, max_depth):  # at most k levels
+        hit = torch.nonzero((parents == attach) & (tokens == chain.tokens[depth]))
+        if hit.numel() == 0:
+            break
+        attach = int(hit[0, 0])
+        scores[attach] = torch.maximum(scores[attach], chain.scores[depth])
+        depth += 1
+    rest = chain_length - depth + 1
+    if rest <= 0:
+        return ScoredCandidates(parents, tokens, scores, tree.depths)
+    first_new = tree.num_candidates
+    new_parents = torch.arange(first_new - 1, first_new - 1 + rest, dtype=torch.long)
+    new_parents[0] = attach
+    return ScoredCandidates(
+        parents=torch.cat([parents, new_parents]),
+        tokens=torch.cat([tokens, chain.tokens[depth:]]),
+        scores=torch.cat([scores, chain.scores[depth:]]),
+        depths=torch.cat([tree.depths, chain.depths[depth:]]),
+    )
+
+
+def hybrid_next_tree(token_ids: np.ndarray, root_token: int,
+                     mask_logits: torch.Tensor | None, node_budget: int,
+                     num_mask_tokens: int, candidates: Sequence[str],
+                     esp_weight: float = ESP_WEIGHT,
+                     lookup_accept: Sequence[float] = LOOKUP_ACCEPT,
+                     ) -> DraftTree | None:
+    """The step's tree from the enabled ``candidates`` ("esp", "ngram").
+
+    ``num_mask_tokens`` masks ride on every node when "esp" is enabled
+    (none otherwise). Returns None when no source has a candidate (with
+    "esp" enabled that is only the first step after prefill without a lookup
+    match; ``HybridSource`` then uses ESP's placeholder tree).
+    """
+    use_esp = "esp" in candidates
+    num_masks = num_mask_tokens if use_esp else 0
+    chain = (lookup_candidates(token_ids, node_budget, lookup_accept=lookup_accept)
+             if "ngram" in candidates else None)
+    if use_esp and mask_logits is not None:
+        scored = esp_candidates(mask_logits, node_budget, root_token)
+        scored.scores[1:] += math.log(esp_weight)
+        if chain is not None:
+            scored = merge_candidates(scored, chain)
+    elif chain is not None:
+        # No mask logits yet (first step after prefill), or lookup only.
+        scored = chain
+    else:
+        return None
+    return select_tree(scored, node_budget, num_masks)
