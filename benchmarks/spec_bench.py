@@ -38,6 +38,7 @@ import datetime as dt
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -208,9 +209,21 @@ def load_questions(args) -> tuple[list[dict], str]:
 
 
 # ---------------------------------------------------------------------- main
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (``timeout``, ``kill``, a cancelled CI job) into
+    ``SystemExit``, so the ``finally`` blocks that shut down vLLM engines and
+    stop ``vllm serve`` process groups run; without this, a terminated
+    benchmark leaves its engine processes running."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    exit_on_sigterm()
     from benchmarks import methods as methods_mod
 
     if args.list_methods:

@@ -259,3 +259,64 @@ def test_serve_command_and_request_payload():
     payload = completion_payload([1, 2, 3], 64, ignore_eos=False)
     assert payload["prompt"] == [1, 2, 3] and payload["temperature"] == 0.0
     assert payload["return_token_ids"] and payload["stream_options"]["include_usage"]
+
+
+# ------------------------------------------------------------ clean shutdown
+_SIGTERM_SCRIPT = r"""
+import sys, time
+from pathlib import Path
+from benchmarks.online import Server, free_port
+from benchmarks.spec_bench import exit_on_sigterm
+if sys.argv[2] == "handler":
+    exit_on_sigterm()
+root = Path(sys.argv[1])
+(root / "health").write_text("ok")
+port = free_port()
+command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+           "--directory", str(root)]
+with Server(command, port, root / "server.log", startup_timeout=60) as server:
+    print(server.process.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def _group_alive(group: int) -> bool:
+    import os
+
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("mode", ["handler", "no-handler"])
+def test_sigterm_stops_the_server_process_group(tmp_path, mode):
+    """A benchmark killed with SIGTERM must not leave `vllm serve` (here a
+    stand-in HTTP server in the same Server wrapper) running. The control
+    case without the handler shows the orphan the handler prevents."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "bench_stub.py"
+    script.write_text(_SIGTERM_SCRIPT)
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bench = subprocess.Popen([sys.executable, str(script), str(tmp_path), mode],
+                             stdout=subprocess.PIPE, text=True, cwd=repo_root,
+                             env={**os.environ, "PYTHONPATH": repo_root})
+    server_group = int(bench.stdout.readline())
+    assert _group_alive(server_group)
+    bench.send_signal(signal.SIGTERM)
+    bench.wait(timeout=90)
+    time.sleep(0.5)
+    try:
+        if mode == "handler":
+            assert not _group_alive(server_group), "server outlived the benchmark"
+        else:
+            assert _group_alive(server_group)
+    finally:
+        if _group_alive(server_group):
+            os.killpg(server_group, signal.SIGKILL)
