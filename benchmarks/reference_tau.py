@@ -27,7 +27,8 @@ CONFIGS = {
     "hybrid BC=10": {"block_complexity": 10, "candidates": ["esp", "ngram"]},
     "hybrid BC=30": {"block_complexity": 30, "candidates": ["esp", "ngram"]},
 }
-LOOKUP = {"prompt lookup (n<=3, 10 drafts)": dict(max_ngram=3, num_draft_tokens=10)}
+LOOKUP = {"prompt lookup (n<=3, 3 drafts)": dict(max_ngram=3, num_draft_tokens=3),
+          "prompt lookup (n<=3, 10 drafts)": dict(max_ngram=3, num_draft_tokens=10)}
 
 
 def main(argv=None) -> int:

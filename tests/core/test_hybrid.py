@@ -162,16 +162,19 @@ def test_first_step_uses_lookup_or_placeholder():
     assert match.tree_spec.num_mask_tokens == 1
 
 
-def test_strong_lookup_takes_budget_from_weak_esp():
-    history = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3])
+def test_budget_goes_to_the_more_likely_source():
+    # Only a 1-gram match ("1" at index 0): a weak chain 4 5 6 7 2 3.
+    history = np.array([1, 4, 5, 6, 7, 2, 3, 9, 1])
     flat = torch.zeros(1, 20)  # ESP knows nothing: uniform masks
-    tree = hybrid_next_tree(history, 3, flat, node_budget=6, num_mask_tokens=1,
+    tree = hybrid_next_tree(history, 1, flat, node_budget=6, num_mask_tokens=1,
                             candidates=("esp", "ngram"))
-    assert (4, 5, 6, 7, 8, 9) in _paths(tree)
+    assert (4, 5, 6, 7, 2, 3) in _paths(tree)
+    # A confident mask beats the weak chain's deeper tokens, not its first.
     confident = _mask_logits({11: 0.97}, vocab=20)
-    tree = hybrid_next_tree(history, 3, confident, node_budget=6, num_mask_tokens=1,
+    tree = hybrid_next_tree(history, 1, confident, node_budget=6, num_mask_tokens=1,
                             candidates=("esp", "ngram"))
     assert (11,) in _paths(tree) and (4,) in _paths(tree)
+    assert (4, 5, 6, 7, 2, 3) not in _paths(tree)
 
 
 def test_config_candidates():

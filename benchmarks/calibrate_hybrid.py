@@ -1,0 +1,137 @@
+"""Measure the acceptance rates behind the hybrid tree's scores.
+
+    ./run python -m benchmarks.calibrate_hybrid [--per-category 4] [--max-tokens 128]
+
+Prints, on the model's greedy Spec-Bench answers (reference decoder, fp32):
+
+* prompt lookup: the chance that the lookup chain's next token is right
+  after an ``m``-token match (``LOOKUP_ACCEPT`` in vllm_esp/core/hybrid.py),
+  and how it depends on whether the matched n-gram's other occurrences agree
+  (the ``f_d`` factor);
+* ESP: the chance that a level-1 candidate is the next token, against its
+  mask probability (``ESP_WEIGHT``: mask probabilities overstate it).
+
+These only rank candidates; whatever they are, verification keeps the output
+identical to the target's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+import numpy as np
+
+
+def lookup_rates(samples, max_ngram: int = 3, min_ngram: int = 1):
+    from vllm_esp.core.hybrid import find_ngram_matches
+
+    tries, hits = collections.Counter(), collections.Counter()
+    first_tries, first_hits = collections.Counter(), collections.Counter()
+    for prompt, output in samples:
+        for t in range(1, len(output)):
+            history = np.asarray(prompt + output[:t])
+            truth = output[t:]
+            n, starts = find_ngram_matches(history, max_ngram, min_ngram)
+            if not starts.size:
+                continue
+            chain = history[int(starts[-1]):int(starts[-1]) + 16]
+            nexts = history[np.minimum(starts, len(history) - 1)]
+            agree = float(np.mean(nexts == chain[0]))
+            bucket = (n, "all agree" if agree == 1 else
+                      ">= half agree" if agree >= 0.5 else "< half agree")
+            first_tries[bucket] += 1
+            first_hits[bucket] += int(chain[0] == truth[0])
+            for depth in range(min(len(chain), len(truth))):
+                match_length = min(n + depth, 6)
+                tries[match_length] += 1
+                if chain[depth] != truth[depth]:
+                    break
+                hits[match_length] += 1
+    return tries, hits, first_tries, first_hits
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dataset", default=None)
+    parser.add_argument("--per-category", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--esp-per-category", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_esp.config import ESPConfig
+    from vllm_esp.core.sources import ESPMaskSource
+    from vllm_esp.data import chat_prompt_ids, load_spec_bench, select_questions
+    from vllm_esp.models import MODELS, model_path
+    from vllm_esp.reference import ReferenceDecoder
+
+    torch.set_num_threads(2)
+    path = str(model_path(args.model)) if args.model in MODELS else args.model
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    questions = load_spec_bench(args.dataset)
+    eos = tokenizer.eos_token_id
+
+    samples = []
+    for question in select_questions(questions, args.per_category):
+        prompt = chat_prompt_ids(tokenizer, question)
+        with torch.inference_mode():
+            output = model.generate(torch.tensor([prompt]), max_new_tokens=args.max_tokens,
+                                    do_sample=False)
+        samples.append((prompt, output[0, len(prompt):].tolist()))
+    tries, hits, first_tries, first_hits = lookup_rates(samples)
+    print(f"prompt lookup, {len(samples)} greedy answers: P(next lookup token "
+          "right | match length m) (m = 6 means >= 6)")
+    for m in sorted(tries):
+        print(f"  m={m}: {hits[m] / tries[m]:.3f}  (n={tries[m]})")
+    print("  first token, by n-gram length and agreement of its occurrences:")
+    for bucket in sorted(first_tries):
+        print(f"    n={bucket[0]}, {bucket[1]}: "
+              f"{first_hits[bucket] / first_tries[bucket]:.3f} (n={first_tries[bucket]})")
+
+    # ESP: record each level-1 candidate's mask probability and whether it
+    # turned out to be the next token.
+    config = ESPConfig.from_dict({"block_complexity": 30})
+    records: list[tuple[float, int]] = []
+
+    class RecordingSource(ESPMaskSource):
+        previous = None
+
+        def propose(self, context):
+            history = [int(t) for t in context.token_ids]
+            if self.previous is not None:
+                position, candidates = self.previous
+                truth = history[position] if len(history) > position else None
+                records.extend((p, int(c == truth)) for c, p in candidates)
+            tree = super().propose(context)
+            self.previous = None
+            if context.mask_logits is not None:
+                probs = torch.softmax(context.mask_logits[0].float(), dim=-1)
+                level1 = [i for i, p in enumerate(tree.tree_spec.parents) if p == 0]
+                self.previous = (len(history), [(int(tree.tokens[i]),
+                                                 float(probs[tree.tokens[i]]))
+                                                for i in level1])
+            return tree
+
+    decoder = ReferenceDecoder(model, config)
+    for question in select_questions(questions, args.esp_per_category):
+        decoder.esp(chat_prompt_ids(tokenizer, question), 64, eos_token_id=eos,
+                    source=RecordingSource(config))
+    table = np.asarray(records)
+    print(f"\nESP level-1 candidates (block complexity 30): {len(table)}; "
+          "P(candidate is the next token | mask probability p)")
+    for low, high in [(0, .02), (.02, .05), (.05, .1), (.1, .2), (.2, .4), (.4, .7), (.7, 1.01)]:
+        chosen = (table[:, 0] >= low) & (table[:, 0] < high)
+        if chosen.any():
+            print(f"  p in [{low}, {high}): mean p {table[chosen, 0].mean():.3f}, "
+                  f"right {table[chosen, 1].mean():.3f} (n={int(chosen.sum())})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
