@@ -38,6 +38,14 @@ forwards per output token::
 
     forwards_per_token = sum(forwards) / sum(n)     (1.0 without speculation)
 
+tokens per decode step (Spec-Bench's and the paper's mean accepted length,
+which counts every decode step, drafted or not)::
+
+    tokens_per_step = sum(n - 1) / sum(forwards - 1)   (1.0 without speculation)
+
+the fair way to compare a method that always drafts (ESP) with one that
+sometimes does not (n-gram, suffix), whose vLLM tau skips the misses.
+
 Throughput: ``tokens_per_s = sum(n) / wall_seconds`` of the whole pass (all
 requests of one workload at one batch size / concurrency). ``time per output
 token``: offline, ``1000 * wall_seconds / sum(n)`` (ms, aggregate); online,
@@ -163,6 +171,18 @@ def forwards_per_token(records: Iterable[RequestRecord]) -> float | None:
     return sum(target_forwards(r) for r in records) / tokens
 
 
+def tokens_per_step(records: Iterable[RequestRecord]) -> float | None:
+    """sum(n - 1) / sum(forwards - 1): tokens per decode forward, every decode
+    step counted (the prefill's token and forward excluded)."""
+    tokens = steps = 0
+    for record in records:
+        if record.num_output_tokens < 2:
+            continue
+        tokens += record.num_output_tokens - 1
+        steps += target_forwards(record) - 1
+    return tokens / steps if steps else None
+
+
 def tokens_per_second(records: Iterable[RequestRecord], seconds: float) -> float | None:
     tokens = sum(r.num_output_tokens for r in records)
     return tokens / seconds if seconds > 0 else None
@@ -237,6 +257,7 @@ def summarize(records: Sequence[RequestRecord], seconds: float,
         "tau_counters": _rounded(tau_from_counters(counters or {})),
         "draft_acceptance_rate": _rounded(draft_acceptance_rate(records)),
         "forwards_per_token": _rounded(forwards_per_token(records)),
+        "tokens_per_step": _rounded(tokens_per_step(records)),
         "target_forwards": sum(target_forwards(r) for r in records),
         "spec_steps": sum(r.spec_steps or 0 for r in records),
         "accepted_tokens": sum(r.accepted_tokens or 0 for r in records),
@@ -260,6 +281,7 @@ def summarize(records: Sequence[RequestRecord], seconds: float,
             "output_tokens": sum(r.num_output_tokens for r in group),
             "tau": _rounded(tau(group)),
             "forwards_per_token": _rounded(forwards_per_token(group)),
+            "tokens_per_step": _rounded(tokens_per_step(group)),
         }
     summary["per_category"] = per_category
     return summary

@@ -147,7 +147,10 @@ def render_markdown(results: dict) -> str:
         f"at start {meta.get('loadavg_start')}, at end {meta.get('loadavg_end')}",
         "",
         "tau = 1 + accepted / verification steps with drafts (vLLM's mean "
-        "acceptance length). fwd/tok = target forwards (prefill + every decode "
+        "acceptance length). tok/step = output tokens per decode step, every "
+        "decode step counted (Spec-Bench's mean accepted length; the fair "
+        "comparison between methods that always draft and methods that "
+        "sometimes do not). fwd/tok = target forwards (prefill + every decode "
         "or verification step) per output token; 1.00 without speculation. "
         "Speedup = tokens/s over `none` at the same level. Definitions: "
         "`benchmarks/metrics.py`.",
@@ -155,7 +158,7 @@ def render_markdown(results: dict) -> str:
     ]
 
     # Overall table.
-    header = ["method", "tau", "fwd/tok"]
+    header = ["method", "tau", "tok/step", "fwd/tok"]
     for b in offline_levels:
         header += [f"tok/s b{b}", f"speedup b{b}"]
     top_c = online_levels[-1] if online_levels else None
@@ -180,7 +183,8 @@ def render_markdown(results: dict) -> str:
     for method, passes in by_method.items():
         ref = _reference_pass(passes)
         s = ref["summary"] if ref else {}
-        row = [f"`{method}`", _fmt(s.get("tau")), _fmt(s.get("forwards_per_token"))]
+        row = [f"`{method}`", _fmt(s.get("tau")), _fmt(s.get("tokens_per_step")),
+               _fmt(s.get("forwards_per_token"))]
         for b in offline_levels:
             row += [_fmt(speed(passes, f"offline-b{b}"), 1), ratio(passes, f"offline-b{b}")]
         if online_levels:
@@ -194,28 +198,31 @@ def render_markdown(results: dict) -> str:
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
 
-    # Per-category tau.
+    # Per-category tau and tokens per decode step.
     categories = list(dict.fromkeys(p["category"] for p in results["prompts"]))
     spec_methods = [m for m in by_method if m != BASELINE]
     if spec_methods:
         ref_keys = {m: (_reference_pass(by_method[m]) or {}).get("key") for m in spec_methods}
-        lines += ["## tau per category", "",
-                  "From each method's " + ", ".join(sorted(set(filter(None, ref_keys.values()))))
-                  + " pass.", "",
-                  "| category | " + " | ".join(f"`{m}`" for m in spec_methods) + " |",
-                  "|---|" + "---|" * len(spec_methods)]
-        for category in categories + ["overall"]:
-            row = [category if category != "overall" else "**overall**"]
-            for m in spec_methods:
-                ref = _reference_pass(by_method[m])
-                if not ref:
-                    row.append("-")
-                elif category == "overall":
-                    row.append(_fmt(ref["summary"].get("tau")))
-                else:
-                    row.append(_fmt(ref["summary"]["per_category"].get(category, {}).get("tau")))
-            lines.append("| " + " | ".join(row) + " |")
-        lines.append("")
+        source = ("From each method's " + ", ".join(sorted(set(filter(None, ref_keys.values()))))
+                  + " pass.")
+        for metric, title in (("tau", "tau per category"),
+                              ("tokens_per_step", "tokens per decode step per category")):
+            lines += [f"## {title}", "", source, "",
+                      "| category | " + " | ".join(f"`{m}`" for m in spec_methods) + " |",
+                      "|---|" + "---|" * len(spec_methods)]
+            for category in categories + ["overall"]:
+                row = [category if category != "overall" else "**overall**"]
+                for m in spec_methods:
+                    ref = _reference_pass(by_method[m])
+                    if not ref:
+                        row.append("-")
+                    elif category == "overall":
+                        row.append(_fmt(ref["summary"].get(metric)))
+                    else:
+                        row.append(_fmt(ref["summary"]["per_category"].get(
+                            category, {}).get(metric)))
+                lines.append("| " + " | ".join(row) + " |")
+            lines.append("")
 
     # Every pass.
     lines += ["## Every pass", "",

@@ -20,7 +20,8 @@ from benchmarks.metrics import (PassResult, RequestRecord, compare_outputs,
                                 first_difference, forwards_per_token,
                                 parse_prometheus_counters, percentile,
                                 request_tpot_s, summarize, target_forwards, tau,
-                                tau_from_counters, tokens_per_second)
+                                tau_from_counters, tokens_per_second,
+                                tokens_per_step)
 
 
 def spec_record(index, category, n, steps, accepted, drafts=None, **timing):
@@ -47,6 +48,13 @@ def test_tau_and_forwards_on_known_steps():
     # Token-weighted across requests (vLLM's global definition).
     assert tau([a, b]) == pytest.approx(1 + 17 / 7)
     assert forwards_per_token([a, b]) == pytest.approx(14 / 31)
+
+    # Tokens per decode step counts b's 4 plain steps too: 9 tokens after
+    # the prefill over 7 decode forwards, where vLLM's tau says 2.0.
+    assert tokens_per_step([a]) == pytest.approx(20 / 5)
+    assert tokens_per_step([b]) == pytest.approx(9 / 7)
+    assert tokens_per_step([a, b]) == pytest.approx(29 / 12)
+    assert tokens_per_step([RequestRecord(2, "qa", list(range(8)))]) == 1.0
 
 
 def test_forwards_when_max_tokens_cuts_the_last_step():
@@ -210,6 +218,11 @@ def test_report_tables_and_json_roundtrip():
     assert "2.00x" in md                          # 8 tok/s vs 4 tok/s offline
     assert "| writing | 3.00 |" in md             # 1 + 2/1
     assert "| coding | 1.00 |" in md
+    # Tokens per decode step: writing 3 tokens over 1 step; coding 3 tokens
+    # over max(4 - 0, 1 + 3) - 1 = 3 steps.
+    assert "## tokens per decode step per category" in md
+    assert "| writing | 3.00 |" in md.split("## tokens per decode step")[1]
+    assert "| **overall** | 1.50 |" in md.split("## tokens per decode step")[1]
     assert "`suffix` skipped: no pkg" in md
     loaded = json.loads(json.dumps(results))
     assert loaded["passes"][1]["records"][0]["target_forwards"] == 2
