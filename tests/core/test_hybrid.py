@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from vllm_esp.config import ESPConfig, ESPConfigError
-from vllm_esp.core.hybrid import (find_ngram_matches, hybrid_next_tree,
-                                  lookup_candidates, merge_candidates)
+from vllm_esp.core.hybrid import (LOOKUP_MAX_CHAINS, find_ngram_matches,
+                                  hybrid_next_tree, lookup_candidates,
+                                  lookup_chains, merge_candidates)
 from vllm_esp.core.proposal import dynamic_next_tree, esp_candidates
 from vllm_esp.core.sources import (ESPMaskSource, HybridSource,
                                    PromptLookupSource, ProposalContext,
@@ -78,6 +79,24 @@ def test_lookup_scores_fall_along_the_chain_and_use_match_count():
     assert bool((chain.scores[1:] <= chain.scores[:-1]).all())
 
 
+def test_older_occurrences_with_other_continuations_become_branches():
+    # "5" occurred 3 times: followed by 6 7 (oldest), 8 9, and 6 1 (newest).
+    history = np.array([5, 6, 7, 5, 8, 9, 5, 6, 1, 5])
+    chains = lookup_chains(history, node_budget=2, max_chains=3, lookup_accept=DOC_ACCEPT)
+    # One chain per distinct first token, newest first; 6 7 shares 6 with 6 1.
+    assert [c.tokens[1:].tolist() for c in chains] == [[6, 1], [8, 9]]
+    # 6 is followed by 6 in 2 of 3 occurrences, 8 in 1 of 3.
+    np.testing.assert_allclose(np.exp(chains[0].scores[1].item()), 0.25 * 2 / 3, rtol=1e-5)
+    np.testing.assert_allclose(np.exp(chains[1].scores[1].item()), 0.25 * 1 / 3, rtol=1e-5)
+    tree = hybrid_next_tree(history, 5, torch.full((1, VOCAB), -30.0), node_budget=4,
+                            num_mask_tokens=1, candidates=("esp", "ngram"),
+                            lookup_accept=DOC_ACCEPT)
+    assert {(6,), (6, 1), (8,), (8, 9)} == _paths(tree)
+    # Lookup alone stays pure prompt lookup: the newest chain only.
+    alone = hybrid_next_tree(history, 5, None, 4, 1, ("ngram",), lookup_accept=DOC_ACCEPT)
+    assert _paths(alone) == {(6,), (6, 1), (6, 1, 5)}
+
+
 def test_merge_shares_prefix_and_keeps_larger_score():
     mask = torch.randn(2, VOCAB)
     tree = esp_candidates(mask, 4, root_token=0)
@@ -114,9 +133,9 @@ def test_hybrid_tree_respects_budget_and_is_a_tree(seed):
     # Every node comes from a source: an ESP candidate path or a prefix of
     # the lookup chain.
     esp_paths = _paths(dynamic_next_tree(mask, budget, int(history[-1])))
-    chain = lookup_candidates(history, budget)
-    chain_paths = set() if chain is None else {
-        tuple(chain.tokens[1:d + 1].tolist()) for d in range(1, chain.num_candidates)}
+    chain_paths = {tuple(chain.tokens[1:d + 1].tolist())
+                   for chain in lookup_chains(history, budget, LOOKUP_MAX_CHAINS)
+                   for d in range(1, chain.num_candidates)}
     assert _paths(tree) <= esp_paths | chain_paths
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "LOOKUP_MIN_NGRAM",
     "find_ngram_matches",
     "lookup_candidates",
+    "lookup_chains",
     "merge_candidates",
     "hybrid_next_tree",
 ]
@@ -80,6 +81,9 @@ LOOKUP_ACCEPT = (0.0, 0.35, 0.55, 0.8, 0.82, 0.87, 0.92)
 # Mask probabilities overstate acceptance: a level-1 candidate with mask
 # probability p was the next token about 0.35 p of the time (same script).
 ESP_WEIGHT = 0.35
+# Lookup chains per step beside ESP: the most recent occurrence's, and those
+# of older occurrences that continue differently.
+LOOKUP_MAX_CHAINS = 3
 
 
 def _lookup_accept(match_length: np.ndarray, table: Sequence[float]) -> np.ndarray:
@@ -104,33 +108,54 @@ def find_ngram_matches(token_ids: np.ndarray, max_ngram: int,
     return 0, np.zeros(0, dtype=np.int64)
 
 
+def lookup_chains(token_ids: np.ndarray, node_budget: int, max_chains: int = 1,
+                  max_ngram: int = LOOKUP_MAX_NGRAM,
+                  min_ngram: int = LOOKUP_MIN_NGRAM,
+                  lookup_accept: Sequence[float] = LOOKUP_ACCEPT,
+                  ) -> list[ScoredCandidates]:
+    """Prompt-lookup chains as scored candidates (each root first): the
+    continuations of the longest matching n-gram's occurrences, most recent
+    first, one per distinct first token, at most ``max_chains``."""
+    match_length, starts = find_ngram_matches(token_ids, max_ngram, min_ngram)
+    if starts.size == 0:
+        return []
+    num_tokens = token_ids.shape[0]
+    length_cap = int(node_budget)
+    # Continuations of every occurrence, padded with -1 past the history.
+    offsets = starts[:, None] + np.arange(length_cap)[None, :]
+    continuations = np.where(offsets < num_tokens,
+                             token_ids[np.minimum(offsets, num_tokens - 1)], -1)
+    root = int(token_ids[-1])
+    chains, first_tokens = [], set()
+    for occurrence in range(starts.size - 1, -1, -1):
+        if len(chains) == max_chains:
+            break
+        chain = continuations[occurrence]
+        chain = chain[:int(np.argmax(chain < 0))] if (chain < 0).any() else chain
+        if int(chain[0]) in first_tokens:
+            continue
+        first_tokens.add(int(chain[0]))
+        length = chain.shape[0]
+        agree = np.cumprod(continuations[:, :length] == chain[None, :], axis=1).mean(axis=0)
+        accept = _lookup_accept(match_length + np.arange(length), lookup_accept)
+        scores = np.cumsum(np.log(accept)) + np.log(agree)
+        chains.append(ScoredCandidates(
+            parents=torch.arange(-1, length, dtype=torch.long),
+            tokens=torch.from_numpy(np.concatenate([[root], chain]).astype(np.int64)),
+            scores=torch.from_numpy(np.concatenate([[0.0], scores]).astype(np.float32)),
+            depths=torch.arange(length + 1, dtype=torch.long),
+        ))
+    return chains
+
+
 def lookup_candidates(token_ids: np.ndarray, node_budget: int,
                       max_ngram: int = LOOKUP_MAX_NGRAM,
                       min_ngram: int = LOOKUP_MIN_NGRAM,
                       lookup_accept: Sequence[float] = LOOKUP_ACCEPT,
                       ) -> ScoredCandidates | None:
-    """The prompt-lookup chain as scored candidates (root first), or None."""
-    match_length, starts = find_ngram_matches(token_ids, max_ngram, min_ngram)
-    if starts.size == 0:
-        return None
-    num_tokens = token_ids.shape[0]
-    chain_start = int(starts[-1])
-    chain = token_ids[chain_start:chain_start + int(node_budget)]
-    length = chain.shape[0]
-    # Continuations of every occurrence, padded with -1 past the history.
-    offsets = starts[:, None] + np.arange(length)[None, :]
-    continuations = np.where(offsets < num_tokens,
-                             token_ids[np.minimum(offsets, num_tokens - 1)], -1)
-    agree = np.cumprod(continuations == chain[None, :], axis=1).mean(axis=0)
-    accept = _lookup_accept(match_length + np.arange(length), lookup_accept)
-    scores = np.cumsum(np.log(accept)) + np.log(agree)
-    root = int(token_ids[-1])
-    return ScoredCandidates(
-        parents=torch.arange(-1, length, dtype=torch.long),
-        tokens=torch.from_numpy(np.concatenate([[root], chain]).astype(np.int64)),
-        scores=torch.from_numpy(np.concatenate([[0.0], scores]).astype(np.float32)),
-        depths=torch.arange(length + 1, dtype=torch.long),
-    )
+    """The most recent occurrence's chain (pure prompt lookup), or None."""
+    chains = lookup_chains(token_ids, node_budget, 1, max_ngram, min_ngram, lookup_accept)
+    return chains[0] if chains else None
 
 
 def merge_candidates(tree: ScoredCandidates, chain: ScoredCandidates) -> ScoredCandidates:
@@ -178,16 +203,21 @@ def hybrid_next_tree(token_ids: np.ndarray, root_token: int,
     """
     use_esp = "esp" in candidates
     num_masks = num_mask_tokens if use_esp else 0
-    chain = (lookup_candidates(token_ids, node_budget, lookup_accept=lookup_accept)
-             if "ngram" in candidates else None)
+    chains = []
+    if "ngram" in candidates:
+        # Alone, lookup is exactly prompt lookup: one chain. Beside ESP, older
+        # occurrences with other continuations compete for the budget too.
+        chains = lookup_chains(token_ids, node_budget,
+                               LOOKUP_MAX_CHAINS if use_esp else 1,
+                               lookup_accept=lookup_accept)
     if use_esp and mask_logits is not None:
         scored = esp_candidates(mask_logits, node_budget, root_token)
         scored.scores[1:] += math.log(esp_weight)
-        if chain is not None:
-            scored = merge_candidates(scored, chain)
-    elif chain is not None:
+    elif chains:
         # No mask logits yet (first step after prefill), or lookup only.
-        scored = chain
+        scored, chains = chains[0], chains[1:]
     else:
         return None
+    for chain in chains:
+        scored = merge_candidates(scored, chain)
     return select_tree(scored, node_budget, num_masks)
