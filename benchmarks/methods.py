@@ -43,7 +43,9 @@ def _ngram(k: int, lookup_max: int, lookup_min: int) -> dict[str, Any]:
 
 
 def _esp(**options: Any) -> dict[str, Any]:
-    return {"method": "esp", **options}
+    # ESP alone unless the method says otherwise (the plugin's default is the
+    # hybrid).
+    return {"method": "esp", "candidates": ["esp"], **options}
 
 
 SUFFIX_INSTALL_HINT = (
@@ -65,7 +67,7 @@ _ALL = [
            "answers; vLLM's defaults spelled out",
            requires_module="arctic_inference", install_hint=SUFFIX_INSTALL_HINT,
            cross_request_state=True),
-    Method("esp-4", _esp(tree=[4]), "ESP static tree [4] (k=1, block 10; the CPU default)"),
+    Method("esp-4", _esp(tree=[4]), "ESP alone, static tree [4] (k=1, block 10; the paper's method at the CPU default size)"),
     Method("esp-9", _esp(tree=[9]), "ESP static tree [9] (k=1, block 20)"),
     Method("esp-29", _esp(tree=[29]), "ESP static tree [29] (k=1, block 60; the GPU default)"),
     Method("esp-15-4", _esp(tree=[15, 4]), "ESP static tree [15, 4] (k=2, block 60)"),
@@ -74,7 +76,7 @@ _ALL = [
     Method("esp-bc60", _esp(block_complexity=60), "ESP dynamic tree, block complexity 60"),
     Method("hybrid-bc10", _esp(block_complexity=10, candidates=["esp", "ngram"]),
            "ESP + prompt-lookup candidates in one tree, block complexity 10 "
-           "(same block as esp-4)"),
+           "(same block as esp-4; what {\"method\": \"esp\"} does on CPU)"),
     Method("hybrid-bc30", _esp(block_complexity=30, candidates=["esp", "ngram"]),
            "ESP + prompt-lookup candidates in one tree, block complexity 30"),
     Method("lookup-bc30", _esp(block_complexity=30, candidates=["ngram"]),

@@ -18,12 +18,13 @@ import sys
 import time
 from collections import defaultdict
 
+ESP_ONLY = {"candidates": ["esp"]}
 CONFIGS = {
-    "esp [4]": {"tree": [4]},
-    "esp [14]": {"tree": [14]},
-    "esp [29]": {"tree": [29]},
-    "esp [15,4]": {"tree": [15, 4]},
-    "esp BC=30": {"block_complexity": 30},
+    "esp [4]": {"tree": [4], **ESP_ONLY},
+    "esp [14]": {"tree": [14], **ESP_ONLY},
+    "esp [29]": {"tree": [29], **ESP_ONLY},
+    "esp [15,4]": {"tree": [15, 4], **ESP_ONLY},
+    "esp BC=30": {"block_complexity": 30, **ESP_ONLY},
     "hybrid BC=10": {"block_complexity": 10, "candidates": ["esp", "ngram"]},
     "hybrid BC=30": {"block_complexity": 30, "candidates": ["esp", "ngram"]},
 }

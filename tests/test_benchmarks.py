@@ -264,7 +264,7 @@ def test_serve_command_and_request_payload():
                  "--per-request-spec-decode-metrics summary"):
         assert flag in joined
     assert json.loads(args[args.index("--speculative-config") + 1]) == {
-        "method": "esp", "tree": [4]}
+        "method": "esp", "candidates": ["esp"], "tree": [4]}
     plain = serve_args("/models/m", methods.METHODS["none"], 8123, options, max_num_seqs=4)
     assert "--speculative-config" not in plain
     assert "--per-request-spec-decode-metrics" not in plain  # vLLM rejects it alone

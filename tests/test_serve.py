@@ -46,7 +46,7 @@ def server(smollm2_dir, tmp_path_factory):
         [_vllm_command(), "serve", smollm2_dir, "--host", "127.0.0.1",
          "--port", str(port), "--dtype", "float32", "--enforce-eager",
          "--max-model-len", "2048", "--max-num-seqs", "16", "--seed", "0",
-         "--speculative-config", json.dumps({"method": "esp", "tree": [4]})],
+         "--speculative-config", json.dumps({"method": "esp", "tree": [4], "candidates": ["esp"]})],
         stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     base = f"http://127.0.0.1:{port}"

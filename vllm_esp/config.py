@@ -12,7 +12,10 @@ Block geometry (see ``../shared/design/esp-algorithm.md``)::
     Q  = (k + 1) * T                block size = tokens per request per step
     N  = Q - 1                      draft slots vLLM reserves per request
 
-Example: ``ESPConfig.from_dict({"tree": [4]})`` gives k=1, T=5, Q=10, N=9.
+Example: ``ESPConfig.from_dict({"tree": [4]})`` gives k=1, T=5, Q=10, N=9,
+with the default ``candidates=("esp", "ngram")`` (the hybrid: prompt-lookup
+chains compete with mask candidates for the T - 1 node slots). The dataclass
+default, ``ESPConfig()``, is the paper's ESP alone.
 With ``block_complexity`` instead of ``tree`` the tree is built dynamically
 (paper Algorithm 1) with node budget ``T - 1 = BC // (k + 1) - 1``.
 """
@@ -25,6 +28,10 @@ from typing import Any, Mapping, Sequence
 
 MASK_INITS = ("mean", "last", "sample", "zero")
 CANDIDATE_SOURCES = ("esp", "ngram")
+# What users get from {"method": "esp"}: the hybrid, which accepted more than
+# ESP alone and than vLLM's ngram on Spec-Bench at the same block size (see
+# README, Results). ESPConfig() itself stays the paper's ESP.
+DEFAULT_CANDIDATES = ("esp", "ngram")
 ALLOWED_KEYS = (
     "num_mask_tokens",
     "tree",
@@ -114,7 +121,7 @@ class ESPConfig:
 
         if tree is None and block_complexity is None:
             tree = DEFAULT_TREES[platform][num_mask_tokens]
-        candidates = options.get("candidates", ["esp"])
+        candidates = options.get("candidates", list(DEFAULT_CANDIDATES))
         if (isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence)
                 or not candidates
                 or any(not isinstance(c, str) or c not in CANDIDATE_SOURCES

@@ -197,7 +197,11 @@ def test_budget_goes_to_the_more_likely_source():
 
 
 def test_config_candidates():
-    assert isinstance(candidate_source(ESPConfig.from_dict({})), ESPMaskSource)
+    # Users get the hybrid by default; ESPConfig() is the paper's ESP.
+    assert isinstance(candidate_source(ESPConfig.from_dict({})), HybridSource)
+    assert isinstance(candidate_source(ESPConfig()), ESPMaskSource)
+    assert isinstance(candidate_source(ESPConfig.from_dict({"candidates": ["esp"]})),
+                      ESPMaskSource)
     config = ESPConfig.from_dict({"block_complexity": 30, "candidates": ["ngram", "esp"]})
     assert config.candidates == ("esp", "ngram") and config.is_hybrid
     assert config.block_size == 30 and config.masks_per_node == 1
