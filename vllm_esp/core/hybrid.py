@@ -10,7 +10,9 @@ Algorithm (one call per request per step):
 
 1. **Lookup candidates.** The longest suffix n-gram (``max_ngram`` down to
    ``min_ngram``) with an earlier occurrence; its most recent occurrence's
-   continuation becomes a chain ``c_1 .. c_L`` (``L <= B``). Node ``c_d``
+   continuation becomes a chain ``c_1 .. c_L`` (``L <= B``), and so do older
+   occurrences' continuations that start with another token (up to
+   ``LOOKUP_MAX_CHAINS`` chains). Node ``c_d``
    scores ``sum_{j<=d} log q(n + j - 1) + log f_d``: ``q(m)`` is the
    measured chance that a lookup token is accepted after an ``m``-token
    match (accepting a token lengthens the match), and ``f_d`` the fraction
@@ -167,7 +169,9 @@ def merge_candidates(tree: ScoredCandidates, chain: ScoredCandidates) -> ScoredC
     depth = 1
     max_depth = int(tree.depths.max())
     chain_length = chain.num_candidates - 1
-    while depth <= min(chain_length, max_depth):  # at most k levels
+    # At most the tree's depth: k levels for ESP candidates, more once an
+    # earlier chain was merged in (B <= 64).
+    while depth <= min(chain_length, max_depth):
         hit = torch.nonzero((parents == attach) & (tokens == chain.tokens[depth]))
         if hit.numel() == 0:
             break
