@@ -58,6 +58,10 @@ _ALL = [
            "speed and for the greedy-output check)"),
     Method("ngram-k3", _ngram(3, 3, 1), "vLLM prompt lookup, 3 drafts"),
     Method("ngram-k5", _ngram(5, 4, 1), "vLLM prompt lookup, 5 drafts"),
+    Method("ngram-k9", _ngram(9, 3, 1), "vLLM prompt lookup, 9 drafts (block 10, as "
+           "esp-4 and hybrid-bc10)"),
+    Method("ngram-k29", _ngram(29, 3, 1), "vLLM prompt lookup, 29 drafts (block 30, "
+           "as esp-bc30 and hybrid-bc30)"),
     Method("ngram-k10", _ngram(10, 5, 2), "vLLM prompt lookup, 10 drafts"),
     Method("suffix", {"method": "suffix", "num_speculative_tokens": 24,
                       "suffix_decoding_max_tree_depth": 24,

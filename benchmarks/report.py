@@ -284,25 +284,31 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
     if spec_methods:
         labels = categories + ["overall"]
         width = 0.8 / len(spec_methods)
-        fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(labels) + 2), 4.5))
-        for i, method in enumerate(spec_methods):
-            ref = _reference_pass(by_method[method])
-            values = []
-            for category in labels:
-                if ref is None:
-                    values.append(0)
-                elif category == "overall":
-                    values.append(ref["summary"].get("tau") or 0)
-                else:
-                    values.append(ref["summary"]["per_category"].get(category, {}).get("tau") or 0)
-            ax.bar([x + (i - (len(spec_methods) - 1) / 2) * width for x in range(len(labels))],
-                   values, width, label=method)
-        ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels(labels, rotation=35, ha="right")
-        ax.set_ylabel("tau (tokens per verification step)")
-        ax.set_title(f"tau per Spec-Bench category ({results['config'].get('model_name')})")
-        ax.legend(fontsize=8, ncol=min(4, len(spec_methods)))
+        panels = (("tau", "vLLM tau (tokens per verification step with drafts)"),
+                  ("tokens_per_step", "tokens per decode step (every step counted)"))
+        fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.9 * len(labels) + 2), 8.5),
+                                 sharex=True)
+        for ax, (metric, ylabel) in zip(axes, panels):
+            for i, method in enumerate(spec_methods):
+                ref = _reference_pass(by_method[method])
+                values = []
+                for category in labels:
+                    if ref is None:
+                        values.append(0)
+                    elif category == "overall":
+                        values.append(ref["summary"].get(metric) or 0)
+                    else:
+                        values.append(ref["summary"]["per_category"].get(
+                            category, {}).get(metric) or 0)
+                ax.bar([x + (i - (len(spec_methods) - 1) / 2) * width
+                        for x in range(len(labels))], values, width, label=method)
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+            ax.set_ylabel(ylabel, fontsize=9)
+            ax.legend(fontsize=8, ncol=min(4, len(spec_methods)))
+        axes[-1].set_xticks(range(len(labels)))
+        axes[-1].set_xticklabels(labels, rotation=35, ha="right")
+        axes[0].set_title(f"acceptance per Spec-Bench category "
+                          f"({results['config'].get('model_name')})")
         fig.tight_layout()
         path = out_dir / "tau_per_category.png"
         fig.savefig(path, dpi=110)
@@ -339,3 +345,17 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def rerender(out_dir: Path) -> None:
+    """Rewrite results.md and the plots of a finished run from its JSON."""
+    results = json.loads((out_dir / "results.json").read_text())
+    (out_dir / "results.md").write_text(render_markdown(results))
+    write_plots(results, out_dir)
+
+
+if __name__ == "__main__":
+    import sys
+
+    for folder in sys.argv[1:]:
+        rerender(Path(folder))
