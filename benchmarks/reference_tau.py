@@ -21,7 +21,6 @@ from collections import defaultdict
 ESP_ONLY = {"candidates": ["esp"]}
 CONFIGS = {
     "esp [4]": {"tree": [4], **ESP_ONLY},
-    "esp [14]": {"tree": [14], **ESP_ONLY},
     "esp [29]": {"tree": [29], **ESP_ONLY},
     "esp [15,4]": {"tree": [15, 4], **ESP_ONLY},
     "esp BC=30": {"block_complexity": 30, **ESP_ONLY},
