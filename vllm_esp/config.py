@@ -28,9 +28,10 @@ from typing import Any, Mapping, Sequence
 
 MASK_INITS = ("mean", "last", "sample", "zero")
 CANDIDATE_SOURCES = ("esp", "ngram")
-# What users get from {"method": "esp"}: the hybrid, which accepted more than
-# ESP alone and than vLLM's ngram on Spec-Bench at the same block size (see
-# README, Results). ESPConfig() itself stays the paper's ESP.
+# What users get from {"method": "esp"}: the hybrid, which accepted 1.60
+# tokens per decode step on Spec-Bench against 1.16 for ESP alone at the same
+# block size (and 1.57 for vLLM's ngram with that block; README, Results).
+# ESPConfig() itself stays the paper's ESP.
 DEFAULT_CANDIDATES = ("esp", "ngram")
 ALLOWED_KEYS = (
     "num_mask_tokens",
