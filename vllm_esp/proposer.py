@@ -117,7 +117,7 @@ class ESPProposer:
         active: list[str] = []
         for req_id, sampled in zip(req_ids, sampled_token_ids):
             request = runner.requests[req_id]
-            if not sampled or _has_structured_output(request):
+            if not sampled or has_structured_output(request):
                 # Mid-prefill, or a grammar that validates chains only: no
                 # block this step (lossless plain decoding).
                 self.mask_logits.pop(req_id, None)
@@ -220,11 +220,11 @@ def tree_node_count(drafts, masks_per_node: int) -> int:
     if masks_per_node == 0 or (num_slots + 1) % per_node:
         return num_slots
     num_nodes = (num_slots + 1) // per_node  # root included
-    if all(int(t) == MASK_SLOT_TOKEN for t in drafts[num_nodes - 1:]):
+    if set(drafts[num_nodes - 1:]) == {MASK_SLOT_TOKEN}:
         return num_nodes - 1
     return num_slots
 
 
-def _has_structured_output(request) -> bool:
+def has_structured_output(request) -> bool:
     params = getattr(request, "sampling_params", None)
     return params is not None and getattr(params, "structured_outputs", None) is not None

@@ -153,11 +153,10 @@ class ESPModelRunnerMixin:
         return torch.cat(segments)
 
     def _batch_has_structured_output(self) -> bool:
-        for req_id in self.input_batch.req_ids:
-            params = self.requests[req_id].sampling_params
-            if params is not None and params.structured_outputs is not None:
-                return True
-        return False
+        from vllm_esp.proposer import has_structured_output
+
+        return any(has_structured_output(self.requests[req_id])
+                   for req_id in self.input_batch.req_ids)
 
     # --------------------------------------------------------------- forward
     def execute_model(self, scheduler_output, intermediate_tensors=None):
