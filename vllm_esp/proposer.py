@@ -4,16 +4,19 @@ vLLM calls ``propose`` once per step, after the step's tokens are committed,
 and schedules exactly ``1 + len(drafts)`` query slots per request next step.
 ESP asks for its whole block through that list:
 
-    drafts = tree node tokens (T - 1)  +  [MASK_SLOT_TOKEN] * (k * T)
+    drafts = tree node tokens (T - 1)  +  mask slots (k per masked node)
 
-so the scheduler reserves the block's ``Q = (k + 1) * T`` KV slots with no
-scheduler change. The mask slots' token id is never embedded: the runner
-gives those rows the request's soft mask embedding.
+so the scheduler reserves the block's ``Q`` KV slots with no scheduler
+change. The mask slots' token id is never embedded: the runner gives those
+rows the request's soft mask embedding. The mask slots hold the block's
+draft-node count (``mask_slot_tokens``), which lets the scheduler (in another
+process) tell nodes from mask slots without knowing the tree
+(``tree_node_count``).
 
-Example, ``tree=[4]`` (k = 1, T = 5, Q = 10), root token 42, mask-1 top
-candidates [17, 42, 9, 3, 88]: pruning drops 42 (equal to its parent, the
-root), so the tree is 42 -> {17, 9, 3, 88} and the drafts are
-``[17, 9, 3, 88, 0, 0, 0, 0, 0]``.
+Example, ESP alone with ``tree=[4]`` (k = 1, T = 5, Q = 10), root token 42,
+mask-1 top candidates [17, 42, 9, 3, 88]: pruning drops 42 (equal to its
+parent, the root), so the tree is 42 -> {17, 9, 3, 88} and the drafts are
+``[17, 9, 3, 88, 4, 4, 4, 4, 5]``.
 
 The proposer is a thin holder of per-request engine state (the mask
 embedding and the block proposed last); the algorithm lives in
@@ -41,9 +44,22 @@ from vllm_esp.core.sources import (CandidateSource, ProposalContext,
 
 logger = logging.getLogger("vllm_esp")
 
-# Any valid vocabulary id works: mask rows are fed the soft embedding, and a
-# non-negative id keeps vLLM's padding logic (-1) out of the way.
-MASK_SLOT_TOKEN = 0
+
+
+def mask_slot_tokens(num_draft_nodes: int, num_mask_slots: int) -> list[int]:
+    """A block's mask slots: its draft-node count ``n``, repeated, and
+    ``n + 1`` in the last slot.
+
+    Mask rows are fed the soft embedding, so any valid vocabulary id works
+    (``n + 1 <= 128`` is one in every model; non-negative keeps vLLM's
+    padding logic, -1, out of the way). These ids tell the scheduler where
+    the nodes end, which a hybrid tree (masks on some nodes only) cannot
+    convey by its length, and the distinct last id tells a whole block from
+    one the scheduler truncated inside its mask slots.
+    """
+    if num_mask_slots == 0:
+        return []
+    return [num_draft_nodes] * (num_mask_slots - 1) + [num_draft_nodes + 1]
 
 
 @dataclass
@@ -143,7 +159,9 @@ class ESPProposer:
                 state.pending_tree = state.pending_drafts = None
                 drafts[index] = []
                 continue
-            mask_slots = [MASK_SLOT_TOKEN] * (tree.layout.block_size - tree.num_nodes)
+            num_draft_nodes = tree.num_nodes - 1
+            mask_slots = mask_slot_tokens(num_draft_nodes,
+                                          tree.layout.block_size - tree.num_nodes)
             state.pending_tree = tree
             state.pending_drafts = tree.draft_tokens.tolist() + mask_slots
             drafts[index] = state.pending_drafts
@@ -210,18 +228,23 @@ class ESPProposer:
 
 
 def tree_node_count(drafts, masks_per_node: int) -> int:
-    """Draft tree nodes in a scheduled draft list: the nodes of an ESP block
-    (``n`` nodes, then ``k * (n + 1)`` mask slots), or ``len(drafts)`` for a
-    plain chain (a block the scheduler truncated). A truncated block is only
-    mistaken for a smaller tree if its tail happens to be all mask-slot ids.
+    """Draft tree nodes in a scheduled draft list.
+
+    A whole ESP block is ``n`` node tokens followed by its mask slots
+    (``mask_slot_tokens``: ``n`` repeated, then ``n + 1``), a multiple of
+    ``masks_per_node`` of them. Anything else is verified as a plain chain
+    (a block the scheduler truncated, or a lookup-only chain) and counts
+    every slot. A chain is only mistaken for a block if its tail happens to
+    have exactly that form.
     """
     num_slots = len(drafts)
-    per_node = masks_per_node + 1
-    if masks_per_node == 0 or (num_slots + 1) % per_node:
+    if masks_per_node == 0 or num_slots == 0:
         return num_slots
-    num_nodes = (num_slots + 1) // per_node  # root included
-    if set(drafts[num_nodes - 1:]) == {MASK_SLOT_TOKEN}:
-        return num_nodes - 1
+    num_nodes = int(drafts[-1]) - 1
+    if (0 <= num_nodes < num_slots
+            and (num_slots - num_nodes) % masks_per_node == 0
+            and set(drafts[num_nodes:-1]) <= {num_nodes}):
+        return num_nodes
     return num_slots
 
 

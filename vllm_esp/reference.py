@@ -304,7 +304,7 @@ class ReferenceDecoder:
             verified = verify(tree, self._logits(hidden[layout.node_rows]))
             self._keep_in_cache(cache, root_position, verified.accepted_path)
             mask_logits = None
-            if layout.num_mask_tokens:
+            if layout.num_mask_tokens and layout.has_masks[verified.last_node]:
                 mask_logits = self._logits(hidden[layout.mask_rows[verified.last_node]])
             result.num_forwards += 1
             result.num_steps += 1

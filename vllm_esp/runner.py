@@ -222,12 +222,16 @@ class ESPModelRunnerMixin:
                                  + accepted_path[moved])
             moved_rows.append(block.row_start + depths[moved])
             last_node = int(accepted_path[-1])
-            probe_rows.append(block.row_start + block.layout.mask_rows[last_node])
-            probe_blocks.append(block)
+            # A hybrid tree carries masks only on some nodes; when the last
+            # accepted node has none, the next tree is built without ESP
+            # candidates (prompt lookup, or the placeholder tree).
+            if block.layout.has_masks[last_node]:
+                probe_rows.append(block.row_start + block.layout.mask_rows[last_node])
+                probe_blocks.append(block)
         self._relocate_kv(step, torch.cat(moved_sources), torch.cat(moved_rows))
 
         k = self.esp_config.masks_per_node
-        if k == 0:  # prompt lookup alone: no mask rows to probe
+        if k == 0 or not probe_rows:  # no mask rows to probe
             return
         hidden_states = step.hidden_states[torch.cat(probe_rows).to(
             step.hidden_states.device)]

@@ -84,7 +84,7 @@ class ESPStep:
             tree_masks[index, size:, size:] = torch.eye(max_rows - size, dtype=torch.bool)
             position_offsets[index, :size] = layout.position_offsets
             node_rows.append(block.row_start + layout.node_rows)
-            block_mask_rows = block.row_start + layout.mask_rows.reshape(-1)
+            block_mask_rows = block.row_start + layout.mask_rows[layout.has_masks].reshape(-1)
             mask_rows.append(block_mask_rows)
             mask_row_blocks.append(torch.full_like(block_mask_rows, index))
         offsets = [0]

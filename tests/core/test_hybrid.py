@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from vllm_esp.config import ESPConfig, ESPConfigError
-from vllm_esp.core.hybrid import (LOOKUP_MAX_CHAINS, find_ngram_matches,
+from vllm_esp.core.hybrid import (LOOKUP_MAX_CHAINS, allocate_block,
+                                  find_ngram_matches,
                                   hybrid_next_tree, lookup_candidates,
                                   lookup_chains, merge_candidates)
-from vllm_esp.core.proposal import dynamic_next_tree, esp_candidates
+from vllm_esp.core.proposal import dynamic_next_tree, esp_candidates, select_tree
 from vllm_esp.core.sources import (ESPMaskSource, HybridSource,
                                    PromptLookupSource, ProposalContext,
                                    candidate_source)
@@ -46,15 +47,31 @@ def _paths(tree) -> set[tuple[int, ...]]:
 def test_docstring_worked_example():
     history = np.array([X, THE, CAT, SAT, DOT, THE, CAT])
     mask = _mask_logits({IS: 0.5, SAT: 0.3, WAS: 0.1})
-    tree = hybrid_next_tree(history, CAT, mask, node_budget=4, num_mask_tokens=1,
+    tree = hybrid_next_tree(history, CAT, mask, block_size=8, num_mask_tokens=1,
                             candidates=("esp", "ngram"), esp_weight=0.5,
-                            lookup_accept=DOC_ACCEPT)
+                            lookup_accept=DOC_ACCEPT, mask_value=0.3)
     assert tree.root_token == CAT
     assert tree.tree_spec.num_mask_tokens == 1
-    assert _paths(tree) == {(SAT,), (SAT, DOT), (SAT, DOT, THE), (IS,)}
+    assert _paths(tree) == {(SAT,), (SAT, DOT), (SAT, DOT, THE), (SAT, DOT, THE, CAT),
+                            (IS,)}
     # BFS order, most probable first within a level.
-    assert tree.tokens.tolist() == [CAT, SAT, IS, DOT, THE]
-    assert tree.tree_spec.parents == (-1, 0, 0, 1, 3)
+    assert tree.tokens.tolist() == [CAT, SAT, IS, DOT, THE, CAT]
+    assert tree.tree_spec.parents == (-1, 0, 0, 1, 3, 4)
+    assert tree.tree_spec.masked == (True, False, True, False, False, False)
+    assert tree.layout.block_size == 8
+
+
+def test_allocate_block_docstring_example():
+    chain = lookup_candidates(np.array([7, 1, 2, 3, 9, 7]), node_budget=3,
+                              lookup_accept=(0.0, 0.8, 0.75, 0.5))
+    # r = .8, .8 * .75 = .6, .6 * .5 = .3
+    assert np.allclose(chain.scores.exp().tolist(), [1, 0.8, 0.6, 0.3], atol=1e-6)
+    kept, masked = allocate_block(chain, block_size=4, num_mask_tokens=1, mask_value=0.3)
+    assert kept.tolist() == [0, 1, 2, 3] and not masked.any()
+    lone = lookup_candidates(np.array([7, 1, 7]), node_budget=1,
+                             lookup_accept=(0.0, 0.2))
+    kept, masked = allocate_block(lone, block_size=3, num_mask_tokens=1, mask_value=0.3)
+    assert kept.tolist() == [0, 1] and masked.tolist() == [True, False]
 
 
 def test_find_ngram_matches_longest_then_all_occurrences():
@@ -88,10 +105,13 @@ def test_older_occurrences_with_other_continuations_become_branches():
     # 6 is followed by 6 in 2 of 3 occurrences, 8 in 1 of 3.
     np.testing.assert_allclose(np.exp(chains[0].scores[1].item()), 0.25 * 2 / 3, rtol=1e-5)
     np.testing.assert_allclose(np.exp(chains[1].scores[1].item()), 0.25 * 1 / 3, rtol=1e-5)
-    tree = hybrid_next_tree(history, 5, torch.full((1, VOCAB), -30.0), node_budget=4,
+    # No mask logits (the last accepted node had no masks): the chains alone,
+    # plus the root's masks.
+    tree = hybrid_next_tree(history, 5, None, block_size=7,
                             num_mask_tokens=1, candidates=("esp", "ngram"),
                             lookup_accept=DOC_ACCEPT)
     assert {(6,), (6, 1), (8,), (8, 9)} == _paths(tree)
+    assert tree.tree_spec.masked[0] and tree.layout.block_size == 7
     # Lookup alone stays pure prompt lookup: the newest chain only.
     alone = hybrid_next_tree(history, 5, None, 4, 1, ("ngram",), lookup_accept=DOC_ACCEPT)
     assert _paths(alone) == {(6,), (6, 1), (6, 1, 5)}
@@ -121,24 +141,29 @@ def test_merge_shares_prefix_and_keeps_larger_score(seed):
 def test_hybrid_tree_respects_budget_and_is_a_tree(seed):
     generator = np.random.default_rng(seed)
     vocab = int(generator.integers(4, 40))
-    budget = int(generator.integers(1, 20))
     k = int(generator.integers(1, 4))
+    block_size = int(generator.integers(k + 2, 40))
     history = generator.integers(0, vocab, size=int(generator.integers(2, 60)))
     mask = torch.from_numpy(generator.normal(size=(k, vocab))).float() * 3
-    tree = hybrid_next_tree(history, int(history[-1]), mask, budget, k,
-                            ("esp", "ngram"))
-    assert 1 <= tree.num_nodes - 1 <= budget
+    mask_value = float(generator.choice([0.0, 0.1, 0.3, 0.9]))
+    tree = hybrid_next_tree(history, int(history[-1]), mask, block_size, k,
+                            ("esp", "ngram"), mask_value=mask_value)
+    assert tree.num_nodes >= 2
     assert tree.tree_spec.num_mask_tokens == k
-    assert tree.layout.block_size <= (k + 1) * (budget + 1)
+    # The rows are spent: at most block_size, and fewer only when k more
+    # mask rows do not fit or nothing is left (every candidate kept, every
+    # node masked).
+    assert tree.layout.block_size <= block_size
+    assert (block_size - tree.layout.block_size < k) or all(tree.tree_spec.masked)
     # No two siblings share a token (duplicates are merged).
     parents, tokens = tree.tree_spec.parents, tree.tokens.tolist()
     siblings = {(parents[i], tokens[i]) for i in range(1, len(parents))}
     assert len(siblings) == len(parents) - 1
     # Every node comes from a source: an ESP candidate path or a prefix of
-    # the lookup chain.
-    esp_paths = _paths(dynamic_next_tree(mask, budget, int(history[-1])))
+    # a lookup chain.
+    esp_paths = _paths(dynamic_next_tree(mask, block_size - 1, int(history[-1])))
     chain_paths = {tuple(chain.tokens[1:d + 1].tolist())
-                   for chain in lookup_chains(history, budget, LOOKUP_MAX_CHAINS)
+                   for chain in lookup_chains(history, block_size - 1, LOOKUP_MAX_CHAINS)
                    for d in range(1, chain.num_candidates)}
     assert _paths(tree) <= esp_paths | chain_paths
 
@@ -162,17 +187,30 @@ def test_ngram_only_is_exactly_prompt_lookup(seed):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_without_lookup_match_hybrid_is_the_dynamic_esp_tree(seed):
+def test_without_lookup_match_nodes_are_the_best_esp_candidates(seed):
     generator = torch.Generator().manual_seed(seed)
     k = seed % 3 + 1
     mask = torch.randn(k, 50, generator=generator) * 2
     history = np.arange(10, 30)  # no repeated token: no lookup match
-    config = ESPConfig.from_dict({"block_complexity": 24, "num_mask_tokens": k,
+    block_size = 24
+    # Mask rows worth nothing: the block is the dynamic ESP tree of
+    # block_size - 1 nodes (then masks only if k rows still fit: never, here),
+    # whatever the ESP weight.
+    esp = dynamic_next_tree(mask, block_size - 1, 29)
+    for weight in (0.1, 0.35, 1.0):
+        tree = hybrid_next_tree(history, 29, mask, block_size, k, ("esp", "ngram"),
+                                esp_weight=weight, mask_value=0.0)
+        assert tree.tree_spec.parents == esp.tree_spec.parents
+        assert tree.tokens.tolist() == esp.tokens.tolist()
+        assert not any(tree.tree_spec.masked)
+    # Valued masks: the root, the likeliest last accepted node, gets them.
+    config = ESPConfig.from_dict({"block_complexity": block_size, "num_mask_tokens": k,
                                   "candidates": ["esp", "ngram"]})
-    hybrid = HybridSource(config).propose(ProposalContext(history, 29, mask))
-    esp = dynamic_next_tree(mask, config.node_budget, 29)
-    assert hybrid.tree_spec == esp.tree_spec
-    assert hybrid.tokens.tolist() == esp.tokens.tolist()
+    tree = HybridSource(config).propose(ProposalContext(history, 29, mask))
+    assert tree.tree_spec.masked[0]
+    pool = esp_candidates(mask, block_size - 1, 29)
+    assert _paths(tree) <= _paths(select_tree(pool, pool.num_candidates - 1, k))
+    assert math.isclose(float(esp_candidates(mask, 6, 29).scores[0]), 0.0)
 
 
 def test_first_step_uses_lookup_or_placeholder():
@@ -189,15 +227,32 @@ def test_budget_goes_to_the_more_likely_source():
     # Only a 1-gram match ("1" at index 0): a weak chain 4 5 6 7 2 3.
     history = np.array([1, 4, 5, 6, 7, 2, 3, 9, 1])
     flat = torch.zeros(1, 20)  # ESP knows nothing: uniform masks
-    tree = hybrid_next_tree(history, 1, flat, node_budget=6, num_mask_tokens=1,
+    tree = hybrid_next_tree(history, 1, flat, block_size=8, num_mask_tokens=1,
                             candidates=("esp", "ngram"))
     assert (4, 5, 6, 7, 2, 3) in _paths(tree)
     # A confident mask beats the weak chain's deeper tokens, not its first.
     confident = _mask_logits({11: 0.97}, vocab=20)
-    tree = hybrid_next_tree(history, 1, confident, node_budget=6, num_mask_tokens=1,
+    tree = hybrid_next_tree(history, 1, confident, block_size=8, num_mask_tokens=1,
                             candidates=("esp", "ngram"))
     assert (11,) in _paths(tree) and (4,) in _paths(tree)
     assert (4, 5, 6, 7, 2, 3) not in _paths(tree)
+
+
+def test_a_confident_chain_fills_the_block_and_a_weak_one_keeps_masks():
+    # The 3-gram "1 2 3" repeats with the same continuation three times: a
+    # long, confident chain.
+    history = np.array([1, 2, 3, 4, 5, 6, 7, 8] * 3 + [1, 2, 3])
+    flat = torch.zeros(1, 20)
+    tree = hybrid_next_tree(history, 3, flat, block_size=10, num_mask_tokens=1,
+                            candidates=("esp", "ngram"))
+    assert (4, 5, 6, 7, 8, 1, 2, 3) in _paths(tree)
+    assert tree.num_nodes >= 9 and tree.layout.block_size == 10
+    # Uniform masks would have left room for a chain of 4 only
+    # (5 nodes + 5 mask rows).
+    weak = np.array([1, 4, 5, 6, 7, 2, 3, 9, 1])  # a 1-gram match
+    tree = hybrid_next_tree(weak, 1, flat, block_size=10, num_mask_tokens=1,
+                            candidates=("esp", "ngram"))
+    assert tree.tree_spec.masked[0]  # the root is the likeliest last node
 
 
 def test_config_candidates():
@@ -217,14 +272,3 @@ def test_config_candidates():
             ESPConfig.from_dict({"candidates": bad})
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_esp_weight_does_not_change_esp_ordering(seed):
-    mask = torch.randn(2, 70, generator=torch.Generator().manual_seed(seed))
-    history = np.arange(40, 60)  # no repeated token: no lookup match
-    esp = dynamic_next_tree(mask, 6, 59)
-    for weight in (0.1, 1.0):
-        tree = hybrid_next_tree(history, 59, mask, 6, 2, ("esp", "ngram"),
-                                esp_weight=weight)
-        assert tree.tree_spec == esp.tree_spec
-        assert tree.tokens.tolist() == esp.tokens.tolist()
-    assert math.isclose(float(esp_candidates(mask, 6, 59).scores[0]), 0.0)

@@ -10,12 +10,19 @@ from vllm_esp.core.tree import (TreeSpec, block_complexity, block_layout,
 
 STATIC_WIDTHS = [(4,), (29,), (15, 4), (3, 2, 1)]
 IRREGULAR = TreeSpec((-1, 0, 0, 1, 1, 2, 3, 3, 6), num_mask_tokens=2)
+# Hybrid trees: masks only on some nodes.
+PARTLY_MASKED = [
+    TreeSpec((-1, 0, 0, 1, 1, 2, 3, 3, 6), 2,
+             masked=(True, False, True, False, False, False, True, False, True)),
+    TreeSpec((-1, 0, 1, 2, 3, 4, 5, 6, 7), 1, masked=(True,) + (False,) * 7 + (True,)),
+    TreeSpec((-1, 0, 0), 1, masked=(False, False, False)),
+]
 
 
 def _all_specs():
     specs = [static_tree(w) for w in STATIC_WIDTHS]
     specs += [IRREGULAR, chain_tree(0), chain_tree(5), chain_tree(3, 2)]
-    return specs
+    return specs + PARTLY_MASKED
 
 
 def test_static_tree_shape_worked_example():
@@ -81,12 +88,18 @@ def test_layout_invariants(spec):
     # Positions: depth for nodes, depth + j for mask j.
     depths = torch.tensor(spec.depths)
     assert torch.equal(layout.position_offsets[:T], depths)
+    masked = torch.tensor(spec.masked, dtype=torch.bool)
+    assert torch.equal(layout.has_masks, masked)
+    assert (layout.mask_rows[~masked] == -1).all()
     for j in range(1, k + 1):
-        rows = layout.mask_rows[:, j - 1]
-        assert torch.equal(layout.position_offsets[rows], depths + j)
-        assert torch.equal(layout.row_owner[rows], torch.arange(T))
+        rows = layout.mask_rows[masked, j - 1]
+        assert torch.equal(layout.position_offsets[rows], depths[masked] + j)
+        assert torch.equal(layout.row_owner[rows], torch.arange(T)[masked])
+        assert (layout.mask_number[rows] == j).all()
     assert torch.equal(layout.node_rows, torch.arange(T))
-    assert int(layout.is_mask_row.sum()) == T * k
+    assert int(layout.is_mask_row.sum()) == int(masked.sum()) * k == Q - T
+    # Mask rows are exactly rows T..Q-1, in node order.
+    assert torch.equal(layout.mask_rows[masked].reshape(-1), torch.arange(T, Q))
     # Every row's visible set is a chain of distinct positions 0..offset:
     # exactly what a plain causal sequence (its own path + masks) would see.
     for row in range(Q):
@@ -96,6 +109,28 @@ def test_layout_invariants(spec):
     for node in range(T):
         kids = [c for c in layout.children[node].tolist() if c >= 0]
         assert kids == [i for i, p in enumerate(spec.parents) if p == node]
+
+
+def test_partly_masked_worked_example():
+    """The module docstring's example: static_tree([2, 1]), masks on 0 and 1."""
+    spec = TreeSpec(static_tree([2, 1]).parents, 2, masked=(True, True, False, False))
+    layout = block_layout(spec)
+    assert spec.block_size == layout.block_size == 8 and spec.num_masked_nodes == 2
+    assert layout.mask_rows.tolist() == [[4, 5], [6, 7], [-1, -1], [-1, -1]]
+    assert layout.row_owner.tolist() == [0, 1, 2, 3, 0, 0, 1, 1]
+    assert layout.position_offsets.tolist() == [0, 1, 1, 2, 1, 2, 2, 3]
+    full = block_layout(static_tree([2, 1]))
+    # The kept rows attend exactly as they do in the fully masked block.
+    rows = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])
+    assert torch.equal(layout.attention_mask, full.attention_mask[rows][:, rows])
+
+
+def test_masked_default_and_normalisation():
+    assert TreeSpec((-1, 0), 1) == TreeSpec((-1, 0), 1, masked=(True, True))
+    assert TreeSpec((-1, 0), 0).masked == (False, False)
+    assert TreeSpec((-1, 0), 1, masked=(1, 0)).masked == (True, False)
+    with pytest.raises(ValueError, match="masked"):
+        TreeSpec((-1, 0), 1, masked=(True,))
 
 
 def test_layout_is_cached_per_shape():

@@ -24,25 +24,34 @@ Algorithm (one call per request per step):
 3. **Merge.** The chain is walked down the ESP candidates: where
    ``c_1..c_d`` is also an ESP path, the node is shared and keeps the larger
    score; the rest of the chain hangs below the last shared node.
-4. **Select.** The root plus the ``B`` best-scored nodes (``select_tree``).
-   Both sources' scores fall along every path, so the kept set is a tree.
-   Every node carries the ``k`` masks, since any node can be the last
-   accepted one and its masks seed the next step's ESP candidates.
+4. **Allocate.** The block's rows go to the best-scored nodes and to the
+   masks of the nodes most likely to be the last accepted one (only that
+   node's masks seed the next step's ESP candidates), whichever is worth
+   more per row (``allocate_block``). A confident lookup chain can thus
+   fill the block; with no lookup match the root keeps its masks and the
+   ESP candidates take the rest. Both sources' scores fall along every
+   path, so the kept set is a tree.
 
-Worked example, ``B = 4``, ``k = 1``, ``q = (0, .25, .45, .6, .7, .75)``,
-ESP weight 0.5, history ``x the cat sat . the cat`` (root ``cat``):
+Worked example, a block of 8 rows, ``k = 1``, ``q = (0, .25, .45, .6, .7,
+.75)``, ESP weight 0.5, mask value 0.3, history ``x the cat sat . the cat``
+(root ``cat``):
 
     lookup: the 2-gram "the cat" occurred once, followed by "sat . the cat":
             sat .45, "." .45*.6 = .27, the .27*.7 = .19, cat .19*.75 = .14
     ESP:    mask top candidates is (p .5), sat (.3), was (.1), scaled by .5:
             is .25, sat .15, was .05
     merge:  "sat" is in both: one node, score max(.45, .15) = .45
-    select: the best 4 are sat .45, "." .27, is .25, the .19
+    allocate (per row): sat .45, "." .27, is .25, the .19, cat .14 (each
+            beats every node's masks, e.g. the root's .3 * (1 - .45) after
+            sat), then the root's masks (.3 * (1 - .45 - .25) = .09 beats
+            was's .05), then is's masks (.3 * .25 = .075 beats was's
+            .05 * (1 - .3), now that the root is masked)
 
-    tree:   cat -> {sat -> . -> the, is}     (scores shown as probabilities)
+    tree:   cat -> {sat -> . -> the -> cat, is}, masks on cat (root) and is:
+            6 nodes + 2 mask rows = 8 rows
 
 With only ``"ngram"`` the tree is exactly ``PromptLookupSource``'s chain of
-``B`` tokens (no masks); with only ``"esp"`` the hybrid is not used
+up to ``block_size - 1`` tokens (no masks); with only ``"esp"`` the hybrid is not used
 (``candidate_source`` returns ``ESPMaskSource``). Merged nodes are verified
 like any node, so the method stays lossless whatever the scores are; the
 scores only decide which candidates get the budget.
@@ -57,7 +66,8 @@ import numpy as np
 import torch
 
 from vllm_esp.core.proposal import (DraftTree, ScoredCandidates,
-                                    esp_candidates, select_tree)
+                                    esp_candidates, select_tree,
+                                    tree_from_candidates)
 
 __all__ = [
     "LOOKUP_MAX_NGRAM",
@@ -66,6 +76,7 @@ __all__ = [
     "lookup_candidates",
     "lookup_chains",
     "merge_candidates",
+    "allocate_block",
     "hybrid_next_tree",
 ]
 
@@ -86,6 +97,12 @@ ESP_WEIGHT = 0.35
 # Lookup chains per step beside ESP: the most recent occurrence's, and those
 # of older occurrences that continue differently.
 LOOKUP_MAX_CHAINS = 3
+# Expected extra tokens that ESP candidates bring to the next step, per unit
+# of probability that a node is the last accepted one. Mask rows go where
+# this beats another draft node (``allocate_block``). Tuned with
+# benchmarks/reference_tau.py on SmolLM2 (README, hybrid section); like the
+# other scores it only decides the tree's shape, never the output.
+MASK_VALUE = 0.3
 
 
 def _lookup_accept(match_length: np.ndarray, table: Sequence[float]) -> np.ndarray:
@@ -192,21 +209,98 @@ def merge_candidates(tree: ScoredCandidates, chain: ScoredCandidates) -> ScoredC
     )
 
 
+def allocate_block(candidates: ScoredCandidates, block_size: int,
+                   num_mask_tokens: int, mask_value: float = MASK_VALUE,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spend ``block_size`` rows on draft nodes and mask rows, greedily.
+
+    ``r(c) = exp(score)`` estimates the chance that candidate ``c`` is
+    accepted; ``last(n) = r(n) - sum of r over n's kept children`` the chance
+    that ``n`` is the last accepted node, the only one whose masks are read.
+    Each round adds whichever is worth more per row:
+
+    * a candidate whose parent is kept (1 row), worth ``r(c)``, less the
+      ``mask_value * r(c)`` it takes from a masked parent's ``last``;
+    * the ``k`` masks of a kept node (``k`` rows), worth
+      ``mask_value * last(n)``.
+
+    Returns the kept candidates (root first, then in the order added) and
+    which candidates carry masks. Worked example, 4 rows, ``k = 1``,
+    ``mask_value = 0.3``, one lookup chain with ``r = .8, .6, .3``:
+
+        round 1: chain node 1 (.8)  vs  root masks (.3 * 1 = .3)      -> node
+        round 2: chain node 2 (.6)  vs  best masks, node 1's (.3 * .8) -> node
+        round 3: chain node 3 (.3)  vs  node 2's masks (.3 * .6 = .18) -> node
+
+    The block is the 3-node chain without masks: a confident chain is worth
+    more than the next step's ESP candidates. For a lone candidate with
+    ``r = .2`` the root's masks (.3) come first, then the candidate
+    (.2 * (1 - .3) = .14), then whatever remains.
+    """
+    num_candidates = candidates.num_candidates
+    parents = candidates.parents.numpy()
+    reach = np.exp(candidates.scores.double().numpy())
+    reach[0] = 1.0
+    # Ties: higher score, then smaller depth, then creation order.
+    rank = np.empty(num_candidates, dtype=np.int64)
+    rank[np.lexsort((np.arange(num_candidates), candidates.depths.numpy(), -reach))] = \
+        np.arange(num_candidates)
+    kept = np.zeros(num_candidates, dtype=bool)
+    masked = np.zeros(num_candidates, dtype=bool)
+    child_reach = np.zeros(num_candidates)
+    kept[0] = True
+    order = [0]
+    rows = 1
+    k = num_mask_tokens
+    parent_index = np.maximum(parents, 0)
+    while rows < block_size:
+        addable = ~kept & kept[parent_index]
+        addable[0] = False
+        node_gain = np.where(addable, reach * (1.0 - mask_value * masked[parent_index]),
+                             -np.inf)
+        best_node = -1
+        if addable.any():
+            best = np.flatnonzero(node_gain == node_gain.max())
+            best_node = int(best[np.argmin(rank[best])])
+        best_mask = -1
+        if k and rows + k <= block_size:
+            mask_gain = np.where(kept & ~masked,
+                                 mask_value * np.maximum(reach - child_reach, 0.0) / k,
+                                 -np.inf)
+            if np.isfinite(mask_gain).any():
+                best_mask = int(np.argmax(mask_gain))
+        if best_node < 0 and best_mask < 0:
+            break
+        if best_mask >= 0 and (best_node < 0 or mask_gain[best_mask] > node_gain[best_node]):
+            masked[best_mask] = True
+            rows += k
+        else:
+            kept[best_node] = True
+            order.append(best_node)
+            child_reach[parents[best_node]] += reach[best_node]
+            rows += 1
+    return torch.tensor(order, dtype=torch.long), torch.from_numpy(masked)
+
+
 def hybrid_next_tree(token_ids: np.ndarray, root_token: int,
-                     mask_logits: torch.Tensor | None, node_budget: int,
+                     mask_logits: torch.Tensor | None, block_size: int,
                      num_mask_tokens: int, candidates: Sequence[str],
                      esp_weight: float = ESP_WEIGHT,
                      lookup_accept: Sequence[float] = LOOKUP_ACCEPT,
+                     mask_value: float = MASK_VALUE,
                      ) -> DraftTree | None:
-    """The step's tree from the enabled ``candidates`` ("esp", "ngram").
+    """The step's tree from the enabled ``candidates`` ("esp", "ngram"),
+    within ``block_size`` rows.
 
-    ``num_mask_tokens`` masks ride on every node when "esp" is enabled
-    (none otherwise). Returns None when no source has a candidate (with
-    "esp" enabled that is only the first step after prefill without a lookup
-    match; ``HybridSource`` then uses ESP's placeholder tree).
+    With "esp", nodes and ``num_mask_tokens`` masks per masked node share
+    the rows (``allocate_block``). With "ngram" alone the tree is prompt
+    lookup's chain of up to ``block_size - 1`` nodes, no masks. Returns None
+    when no source has a candidate (with "esp" enabled that is only a step
+    with no mask logits and no lookup match; ``HybridSource`` then uses
+    ESP's placeholder tree).
     """
     use_esp = "esp" in candidates
-    num_masks = num_mask_tokens if use_esp else 0
+    node_budget = int(block_size) - 1
     chains = []
     if "ngram" in candidates:
         # Alone, lookup is exactly prompt lookup: one chain. Beside ESP, older
@@ -218,10 +312,14 @@ def hybrid_next_tree(token_ids: np.ndarray, root_token: int,
         scored = esp_candidates(mask_logits, node_budget, root_token)
         scored.scores[1:] += math.log(esp_weight)
     elif chains:
-        # No mask logits yet (first step after prefill), or lookup only.
+        # No mask logits (first step after prefill, or the last accepted node
+        # had no masks), or lookup only.
         scored, chains = chains[0], chains[1:]
     else:
         return None
     for chain in chains:
         scored = merge_candidates(scored, chain)
-    return select_tree(scored, node_budget, num_masks)
+    if not use_esp:
+        return select_tree(scored, node_budget, 0)
+    kept, masked = allocate_block(scored, block_size, num_mask_tokens, mask_value)
+    return tree_from_candidates(scored, kept, num_mask_tokens, masked)

@@ -41,6 +41,7 @@ __all__ = [
     "ScoredCandidates",
     "esp_candidates",
     "select_tree",
+    "tree_from_candidates",
     "static_next_tree",
     "dynamic_next_tree",
     "placeholder_tree",
@@ -209,27 +210,41 @@ def select_tree(candidates: ScoredCandidates, node_budget: int,
     its parent). Output nodes are ordered by depth, then by descending score,
     so each level's most probable node comes first.
     """
-    parents, tokens = candidates.parents, candidates.tokens
     scores, depths = candidates.scores, candidates.depths
-    num_created = candidates.num_candidates
     # Score descending, then depth ascending: sort by depth first (stable),
     # then stably by score.
     by_depth = torch.sort(depths[1:], stable=True).indices + 1
     order = by_depth[torch.sort(scores[by_depth], descending=True,
                                 stable=True).indices]
     kept = torch.cat([torch.zeros(1, dtype=torch.long), order[:int(node_budget)]])
+    return tree_from_candidates(candidates, kept, num_mask_tokens)
+
+
+def tree_from_candidates(candidates: ScoredCandidates, kept: torch.Tensor,
+                         num_mask_tokens: int,
+                         masked: torch.Tensor | None = None) -> DraftTree:
+    """The ``DraftTree`` of the candidates ``kept`` (root first, then in
+    descending-score order; ancestor-closed), with masks on the candidates
+    where ``masked`` (indexed by candidate; ``None``: on every node).
+
+    Nodes are ordered by depth, then by their order in ``kept``, so each
+    level's most probable node comes first.
+    """
+    parents, tokens, depths = candidates.parents, candidates.tokens, candidates.depths
+    num_created = candidates.num_candidates
     is_kept = torch.zeros(num_created, dtype=torch.bool)
     is_kept[kept] = True
-    if not bool(is_kept[parents[kept[1:]]].all()):
+    if int(kept[0]) != 0 or not bool(is_kept[parents[kept[1:]]].all()):
         raise AssertionError("select_tree: kept set is not ancestor-closed")
 
-    # BFS order: by depth, then by descending score. `kept` is already in
-    # descending-score order (root first), so a stable sort by depth does it.
+    # BFS order: a stable sort of `kept` by depth.
     bfs = kept[torch.sort(depths[kept], stable=True).indices]
     new_id = torch.full((num_created,), -1, dtype=torch.long)
     new_id[bfs] = torch.arange(bfs.numel())
     new_parents = torch.where(bfs == 0, -1, new_id[parents[bfs].clamp(min=0)])
-    tree_spec = TreeSpec(tuple(new_parents.tolist()), num_mask_tokens=num_mask_tokens)
+    node_masked = None if masked is None else tuple(masked[bfs].tolist())
+    tree_spec = TreeSpec(tuple(new_parents.tolist()), num_mask_tokens=num_mask_tokens,
+                         masked=node_masked)
     return DraftTree(tree_spec, tokens[bfs])
 
 

@@ -139,7 +139,7 @@ class HybridSource:
         config = self.config
         tree = hybrid_next_tree(
             _history(context), context.root_token, context.mask_logits,
-            node_budget=config.node_budget,
+            block_size=config.block_size,
             num_mask_tokens=config.num_mask_tokens,
             candidates=config.candidates)
         if tree is None and "esp" in config.candidates:

@@ -37,6 +37,15 @@ causal mask, so a plain causal KV write order stays valid.
 
 A layout with ``num_mask_tokens == 0`` is a plain token tree (or chain),
 which is what prompt lookup proposes.
+
+Masks need not ride on every node. ``TreeSpec(..., masked=...)`` names the
+nodes that carry their ``k`` masks; the others carry none. Only the masks of
+the last accepted node are ever read, so a hybrid tree (``core.hybrid``)
+spends mask rows only where that node is likely to be, and the rest of the
+block on draft nodes. With ``static_tree([2, 1])`` and masks on nodes 0 and
+1 only, the block is ``n0 n1 n2 n3 | m0.1 m0.2 | m1.1 m1.2`` (8 rows):
+mask rows keep the node order of the masked nodes, and every rule above is
+unchanged.
 """
 
 from __future__ import annotations
@@ -64,10 +73,14 @@ class TreeSpec:
     ``parents[0] == -1`` is the root (the last committed token, not yet in the
     KV cache). ``parents[i] < i`` and depths never decrease with ``i``, so the
     node order is a BFS order and therefore topological.
+
+    ``masked[t]`` says whether node ``t`` carries the ``k`` masks; ``None``
+    (the default) means every node does, as in the paper.
     """
 
     parents: tuple[int, ...]
     num_mask_tokens: int
+    masked: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         parents = tuple(int(p) for p in self.parents)
@@ -90,6 +103,17 @@ class TreeSpec:
                     f"TreeSpec: depths must be non-decreasing (BFS order); "
                     f"node {i} has depth {depths[i]} after depth {depths[i - 1]}")
         object.__setattr__(self, "_depths", tuple(depths))
+        masked = self.masked
+        if masked is None or self.num_mask_tokens == 0:
+            masked = (self.num_mask_tokens > 0,) * len(parents)
+        masked = tuple(bool(m) for m in masked)
+        if len(masked) != len(parents):
+            raise ValueError(
+                f"TreeSpec: masked has {len(masked)} entries for "
+                f"{len(parents)} nodes")
+        # Normalised, so that equal shapes compare and hash equal (layouts
+        # are cached per TreeSpec).
+        object.__setattr__(self, "masked", masked)
 
     @property
     def num_nodes(self) -> int:
@@ -105,9 +129,15 @@ class TreeSpec:
         return self._depths[-1]  # type: ignore[attr-defined]
 
     @property
+    def num_masked_nodes(self) -> int:
+        """Nodes carrying masks (T unless ``masked`` says otherwise)."""
+        return sum(self.masked)  # type: ignore[arg-type]
+
+    @property
     def block_size(self) -> int:
-        """Q = (k + 1) * T: rows of the verification block."""
-        return (self.num_mask_tokens + 1) * self.num_nodes
+        """Q = T + k * (masked nodes): rows of the verification block
+        ((k + 1) * T when every node carries masks)."""
+        return self.num_nodes + self.num_mask_tokens * self.num_masked_nodes
 
 
 def static_tree(widths: Sequence[int]) -> TreeSpec:
@@ -154,14 +184,15 @@ class BlockLayout:
     All fields are CPU tensors (int64 or bool), shared by every caller of
     ``block_layout`` for the same shape: treat them as read-only.
 
-    Rows ``0..T-1`` are the tree nodes (``node_rows == arange(T)``); row
-    ``T + t*k + (j-1)`` is mask ``j`` (1-based) of node ``t``.
+    Rows ``0..T-1`` are the tree nodes (``node_rows == arange(T)``); then
+    the masks of each masked node in node order: with every node masked,
+    row ``T + t*k + (j-1)`` is mask ``j`` (1-based) of node ``t``.
     """
 
     tree_spec: TreeSpec
     num_nodes: int                 # T
     num_mask_tokens: int           # k
-    block_size: int                # Q = (k + 1) * T
+    block_size: int                # Q = T + k * (masked nodes)
     max_depth: int
     parents: torch.Tensor          # [T] int64, root -1
     depths: torch.Tensor           # [T] int64
@@ -169,7 +200,8 @@ class BlockLayout:
     children: torch.Tensor         # [T, C] int64, ascending, padded with -1 (C >= 1)
     num_children: torch.Tensor     # [T] int64
     node_rows: torch.Tensor        # [T] int64 (= arange(T))
-    mask_rows: torch.Tensor        # [T, k] int64, mask_rows[t, j-1] = row of mask j of t
+    has_masks: torch.Tensor        # [T] bool, node carries masks
+    mask_rows: torch.Tensor        # [T, k] int64, row of mask j of t at [t, j-1]; -1 if unmasked
     row_owner: torch.Tensor        # [Q] int64, the node each row belongs to
     is_mask_row: torch.Tensor      # [Q] bool
     mask_number: torch.Tensor      # [Q] int64, j for mask j (1-based), 0 on node rows
@@ -214,12 +246,16 @@ def block_layout(tree_spec: TreeSpec) -> BlockLayout:
         rank = torch.tril(same_parent, diagonal=-1).sum(dim=1)
         children[child_parents, rank] = child_ids
 
-    # Row bookkeeping: node rows first, then k masks per node.
-    mask_rows = num_nodes + nodes[:, None] * k + torch.arange(k)[None, :]
-    row_owner = torch.cat([nodes, nodes.repeat_interleave(k)])
+    # Row bookkeeping: node rows first, then k masks per masked node.
+    has_masks = torch.tensor(tree_spec.masked, dtype=torch.bool)
+    masked_nodes = nodes[has_masks]
+    mask_rows = torch.full((num_nodes, k), -1, dtype=torch.long)
+    mask_rows[masked_nodes] = (num_nodes + torch.arange(masked_nodes.numel())[:, None] * k
+                               + torch.arange(k)[None, :])
+    row_owner = torch.cat([nodes, masked_nodes.repeat_interleave(k)])
     mask_number = torch.cat([
         torch.zeros(num_nodes, dtype=torch.long),
-        torch.arange(1, k + 1).repeat(num_nodes),
+        torch.arange(1, k + 1).repeat(masked_nodes.numel()),
     ])
     is_mask_row = mask_number > 0
     position_offsets = depths[row_owner] + mask_number
@@ -247,6 +283,7 @@ def block_layout(tree_spec: TreeSpec) -> BlockLayout:
         children=children,
         num_children=num_children,
         node_rows=nodes,
+        has_masks=has_masks,
         mask_rows=mask_rows,
         row_owner=row_owner,
         is_mask_row=is_mask_row,
