@@ -14,8 +14,10 @@ Block geometry (see ``../shared/design/esp-algorithm.md``)::
 
 Example: ``ESPConfig.from_dict({"tree": [4]})`` gives k=1, T=5, Q=10, N=9,
 with the default ``candidates=("esp", "ngram")`` (the hybrid: prompt-lookup
-chains compete with mask candidates for the T - 1 node slots). The dataclass
-default, ``ESPConfig()``, is the paper's ESP alone.
+chains and mask candidates compete for the Q rows, and masks ride only on
+the nodes likely to be the last accepted one, so a hybrid tree has between
+1 and Q - 1 draft nodes). The dataclass default, ``ESPConfig()``, is the
+paper's ESP alone.
 With ``block_complexity`` instead of ``tree`` the tree is built dynamically
 (paper Algorithm 1) with node budget ``T - 1 = BC // (k + 1) - 1``.
 """

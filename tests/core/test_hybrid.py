@@ -109,7 +109,7 @@ def test_older_occurrences_with_other_continuations_become_branches():
     # plus the root's masks.
     tree = hybrid_next_tree(history, 5, None, block_size=7,
                             num_mask_tokens=1, candidates=("esp", "ngram"),
-                            lookup_accept=DOC_ACCEPT)
+                            lookup_accept=DOC_ACCEPT, mask_value=0.3)
     assert {(6,), (6, 1), (8,), (8, 9)} == _paths(tree)
     assert tree.tree_spec.masked[0] and tree.layout.block_size == 7
     # Lookup alone stays pure prompt lookup: the newest chain only.
@@ -228,12 +228,12 @@ def test_budget_goes_to_the_more_likely_source():
     history = np.array([1, 4, 5, 6, 7, 2, 3, 9, 1])
     flat = torch.zeros(1, 20)  # ESP knows nothing: uniform masks
     tree = hybrid_next_tree(history, 1, flat, block_size=8, num_mask_tokens=1,
-                            candidates=("esp", "ngram"))
+                            candidates=("esp", "ngram"), mask_value=0.3)
     assert (4, 5, 6, 7, 2, 3) in _paths(tree)
     # A confident mask beats the weak chain's deeper tokens, not its first.
     confident = _mask_logits({11: 0.97}, vocab=20)
     tree = hybrid_next_tree(history, 1, confident, block_size=8, num_mask_tokens=1,
-                            candidates=("esp", "ngram"))
+                            candidates=("esp", "ngram"), mask_value=0.3)
     assert (11,) in _paths(tree) and (4,) in _paths(tree)
     assert (4, 5, 6, 7, 2, 3) not in _paths(tree)
 
