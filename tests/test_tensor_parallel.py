@@ -1,4 +1,5 @@
-"""ESP under tensor parallelism (TP=2) on vLLM's multiprocessing executor.
+"""ESP under tensor parallelism (TP=2) on vLLM's multiprocessing executor
+(the Ray executor runs the same checks in test_ray.py).
 
 Every rank builds the same trees from the all-gathered logits, embeds the
 mask vectors with the same collective calls, and relocates the KV of its own
@@ -7,7 +8,7 @@ with the same spec-decode counters as ESP at TP=1.
 
 Two CPU workers need one core each: ``VLLM_CPU_OMP_THREADS_BIND="0|1"``
 (without it vLLM stops with "Not enough allowed NUMA nodes to bind threads
-of 2 local CPUWorkers"). Slow (four engines, two of them with two workers):
+of 2 local CPUWorkers"). Slow (eight engines, three of them with two workers):
 
     ./run python -m pytest tests/test_tensor_parallel.py -m slow
 """
@@ -28,7 +29,7 @@ NEW_TOKENS = 48
 
 
 @pytest.fixture
-def two_cpu_workers(monkeypatch):
+def two_cpu_workers(monkeypatch, shm_cleanup):
     if (os.cpu_count() or 1) < 2:
         pytest.skip("TP=2 on CPU needs two cores")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
@@ -40,23 +41,50 @@ def _tiny_prompts() -> list[list[int]]:
             for i in range(NUM_PROMPTS)]
 
 
-def _check_tp2_matches_tp1(model, prompts, speculative_config, **llm_kwargs):
+# TP=1 runs are the same for every executor: run them once per session.
+_TP1_RUNS: dict[str, object] = {}
+
+
+def _tp1_run(model, prompts, params, speculative_config, label, **llm_kwargs):
+    key = repr((model, prompts, speculative_config, sorted(llm_kwargs.items())))
+    if key not in _TP1_RUNS:
+        _TP1_RUNS[key] = run_once(model, prompts, params, label=label,
+                                  speculative_config=speculative_config, **llm_kwargs)
+    return _TP1_RUNS[key]
+
+
+def _check_tp2_matches_tp1(model, prompts, speculative_config, executor="mp",
+                           worker_probe=None, **llm_kwargs):
+    """TP=2 ESP on ``executor`` = TP=1 plain greedy, with TP=1 ESP's
+    counters. Returns the TP=2 run and, if given, ``worker_probe(worker)``'s
+    result from every worker of the TP=2 engine (vLLM sends a function to
+    its workers only with VLLM_ALLOW_INSECURE_SERIALIZATION=1)."""
     from vllm import SamplingParams
 
+    from vllm_esp.runs import generate, make_llm, shutdown
+
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    plain_tp1 = run_once(model, prompts, params, label="plain tp1", **llm_kwargs)
-    esp_tp1 = run_once(model, prompts, params, speculative_config=speculative_config,
-                       label="esp tp1", **llm_kwargs)
-    esp_tp2 = run_once(model, prompts, params, speculative_config=speculative_config,
-                       tensor_parallel_size=2, distributed_executor_backend="mp",
-                       label="esp tp2", **llm_kwargs)
+    plain_tp1 = _tp1_run(model, prompts, params, None, "plain tp1", **llm_kwargs)
+    esp_tp1 = _tp1_run(model, prompts, params, speculative_config, "esp tp1", **llm_kwargs)
+    llm = make_llm(model, speculative_config, tensor_parallel_size=2,
+                   distributed_executor_backend=executor, **llm_kwargs)
+    try:
+        esp_tp2 = generate(llm, prompts, params, label=f"esp tp2 {executor}")
+        probes = llm.collective_rpc(worker_probe) if worker_probe else None
+    finally:
+        shutdown(llm)
     assert esp_tp1.token_ids == plain_tp1.token_ids
     mismatched = [i for i, (a, b) in enumerate(zip(plain_tp1.token_ids, esp_tp2.token_ids))
                   if a != b]
     assert not mismatched, f"TP=2 ESP differs from TP=1 plain on prompts {mismatched}"
+    assert len(esp_tp2.token_ids) == len(prompts) >= NUM_PROMPTS
+    assert all(len(t) == NEW_TOKENS for t in esp_tp2.token_ids)
     assert esp_tp2.num_drafts > 0 and esp_tp2.num_accepted > 0
     assert esp_tp2.counters == esp_tp1.counters
-    return esp_tp2
+    return esp_tp2, probes
+
+
+TINY_KWARGS = dict(skip_tokenizer_init=True, max_model_len=512, max_num_seqs=8)
 
 
 @pytest.mark.parametrize("speculative_config", [
@@ -66,12 +94,10 @@ def _check_tp2_matches_tp1(model, prompts, speculative_config, **llm_kwargs):
 def test_tp2_tiny_llama(tiny_llama_dir, two_cpu_workers, speculative_config):
     # 4 query heads and 2 KV heads: each rank holds 2 and 1.
     _check_tp2_matches_tp1(tiny_llama_dir, _tiny_prompts(), speculative_config,
-                           skip_tokenizer_init=True, max_model_len=512, max_num_seqs=8)
+                           **TINY_KWARGS)
 
 
-def test_tp2_gemma3(two_cpu_workers, spec_bench):
-    """Gemma-3-270M: 4 query heads and a single KV head, which TP=2
-    replicates on both ranks; sliding-window layers; scaled embeddings."""
+def _gemma3_prompts(spec_bench):
     from transformers import AutoTokenizer
 
     from vllm_esp.data import chat_prompt_ids, select_questions
@@ -80,6 +106,14 @@ def test_tp2_gemma3(two_cpu_workers, spec_bench):
     model = str(model_path("gemma3-270m"))
     tokenizer = AutoTokenizer.from_pretrained(model)
     questions = select_questions(spec_bench, per_category=1, limit=NUM_PROMPTS)
-    prompts = [chat_prompt_ids(tokenizer, q) for q in questions]
-    _check_tp2_matches_tp1(model, prompts, {"method": "esp"},
-                           max_model_len=2048, max_num_seqs=8)
+    return model, [chat_prompt_ids(tokenizer, q) for q in questions]
+
+
+GEMMA3_KWARGS = dict(max_model_len=2048, max_num_seqs=8)
+
+
+def test_tp2_gemma3(two_cpu_workers, spec_bench):
+    """Gemma-3-270M: 4 query heads and a single KV head, which TP=2
+    replicates on both ranks; sliding-window layers; scaled embeddings."""
+    model, prompts = _gemma3_prompts(spec_bench)
+    _check_tp2_matches_tp1(model, prompts, {"method": "esp"}, **GEMMA3_KWARGS)
