@@ -6,6 +6,7 @@ outputs equal vLLM's without speculation, and the spec-decode counters at
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -37,21 +38,19 @@ def _vllm_command() -> str:
     return shutil.which("vllm") or str(Path(sys.executable).parent / "vllm")
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_dir, tmp_path_factory):
+@contextlib.contextmanager
+def serve(args: list[str], log_path: Path, env: dict | None = None, timeout: float = 600):
+    """Run ``vllm serve ARGS`` on a free port until /health answers; yield
+    the base URL; terminate it on exit."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "server.log"
     log = log_path.open("w")
     process = subprocess.Popen(
-        [_vllm_command(), "serve", smollm2_dir, "--host", "127.0.0.1",
-         "--port", str(port), "--dtype", "float32", "--enforce-eager",
-         "--max-model-len", "2048", "--max-num-seqs", "16", "--seed", "0",
-         "--speculative-config", json.dumps({"method": "esp", "tree": [4], "candidates": ["esp"]})],
+        [_vllm_command(), "serve", *args, "--host", "127.0.0.1", "--port", str(port)],
         stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 600
+        deadline = time.time() + timeout
         while time.time() < deadline:
             if process.poll() is not None:
                 raise RuntimeError("server exited:\n" + log_path.read_text()[-5000:])
@@ -63,7 +62,7 @@ def server(smollm2_dir, tmp_path_factory):
             time.sleep(2)
         else:
             raise RuntimeError("server did not start:\n" + log_path.read_text()[-5000:])
-        yield base, smollm2_dir
+        yield base
     finally:
         process.terminate()
         try:
@@ -71,6 +70,17 @@ def server(smollm2_dir, tmp_path_factory):
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    with serve([smollm2_dir, "--dtype", "float32", "--enforce-eager",
+                "--max-model-len", "2048", "--max-num-seqs", "16", "--seed", "0",
+                "--speculative-config",
+                json.dumps({"method": "esp", "tree": [4], "candidates": ["esp"]})],
+               log_path) as base:
+        yield base, smollm2_dir
 
 
 def _complete(base, model, prompt_ids, stream=False):
