@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from shm_files import remove_unused_shm_files, vllm_shm_files
 from test_serve import _counters, serve
 from test_tensor_parallel import (
     GEMMA3_KWARGS,
@@ -64,6 +65,7 @@ def ray_cluster():
         sys.path.remove(str(SHIM_DIR))
     patch = pytest.MonkeyPatch()
     temp_dir = None
+    shm_before = vllm_shm_files()
     try:
         patch.setenv("PYTHONPATH", os.pathsep.join(
             p for p in (str(SHIM_DIR), os.environ.get("PYTHONPATH")) if p))
@@ -85,6 +87,11 @@ def ray_cluster():
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
     assert not _ray_processes_left(), "Ray processes outlived ray.shutdown()"
+    # Ray's idle workers may still map a finished engine's buffers when a
+    # test's own clean-up runs; once the cluster is gone, nothing may remain.
+    remove_unused_shm_files(shm_before, wait=10)
+    left = vllm_shm_files() - shm_before
+    assert not left, f"Ray tests left {sorted(left)} in /dev/shm"
 
 
 def _ray_processes_left(wait: float = 30) -> list[str]:
