@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+import numpy as np
 
 BASELINE = "none"
 
@@ -35,6 +37,24 @@ class Method:
                     f"'{self.requires_module}', which is not installed. "
                     f"{self.install_hint}")
         return None
+
+    def chain_drafter(self) -> Callable[[list[int]], list[int]] | None:
+        """vLLM's own n-gram drafter with this method's settings, as a
+        function of the token history (for ``metrics.with_replayed_drafts``);
+        None for other methods."""
+        config = self.speculative_config or {}
+        if config.get("method") != "ngram":
+            return None
+        from vllm.v1.spec_decode.ngram_proposer import \
+            _find_longest_matched_ngram_and_propose_tokens as propose
+
+        k = int(config["num_speculative_tokens"])
+        lookup_min = int(config["prompt_lookup_min"])
+        lookup_max = int(config["prompt_lookup_max"])
+        # max_model_len only stops drafting at the context limit, which the
+        # benchmark's requests stay below.
+        return lambda history: propose(np.asarray(history, dtype=np.int32), lookup_min,
+                                       lookup_max, 1 << 30, k).tolist()
 
 
 def _ngram(k: int, lookup_max: int, lookup_min: int) -> dict[str, Any]:

@@ -31,6 +31,14 @@ exactly when nothing was cut. When ``max_tokens`` (or a stop token) cuts the
 last step short, vLLM has already counted the accepted tokens that were then
 dropped, and ``n - accepted`` can undercount; it can never fall below the
 ``1 + spec_steps`` forwards the request certainly made, hence the ``max``.
+For vLLM's ``ngram`` the cut is corrected exactly: its drafter is replayed on
+the finished greedy output (``replay_chain_drafts``), which gives the accepted
+tokens that were actually emitted; the replay must reproduce vLLM's
+``spec_steps`` and never exceed its accepted count, or the run fails. vLLM's
+own count stays in ``accepted_tokens_reported`` (and in the counters).
+Methods that draft at every step (ESP, the hybrid) make no plain decode
+steps, so for them ``1 + spec_steps`` is exact and the ``max`` already
+corrects the cut.
 Without speculation ``forwards = n``. A chunked prefill (long prompts beyond
 the scheduler's token budget) would add forwards that are not counted here.
 
@@ -63,8 +71,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 SPEC_COUNTER_NAMES = (
     "vllm:spec_decode_num_drafts",
@@ -85,6 +93,9 @@ class RequestRecord:
     draft_tokens: int | None = None
     latency_s: float | None = None
     ttft_s: float | None = None
+    # vLLM's accepted count when it differs from ``accepted_tokens`` (drafts
+    # accepted past max_tokens or a stop token; see ``with_replayed_drafts``).
+    accepted_tokens_reported: int | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -134,6 +145,61 @@ def target_forwards(record: RequestRecord) -> int:
     if not record.spec_steps:
         return n
     return max(n - (record.accepted_tokens or 0), 1 + record.spec_steps)
+
+
+def replay_chain_drafts(prompt_ids: Sequence[int], output_ids: Sequence[int],
+                        propose: Callable[[list[int]], Sequence[int]]) -> tuple[int, int]:
+    """``(spec_steps, accepted)`` of greedy speculative decoding with a
+    deterministic chain drafter, replayed on the finished greedy output.
+
+    Each step drafts ``propose(prompt + output so far)``; greedy verification
+    accepts the drafts' longest prefix that the output continues with, then
+    emits one more token. A step without drafts is a plain decode step. The
+    output's last token counts as the bonus token of the step that emitted it
+    (a cut step's later tokens were dropped), so ``n = forwards + accepted``
+    holds exactly. Example, output ``a b c d``, a drafter that always
+    proposes ``b c x``: after the prefill's ``a`` one step accepts ``b c``
+    and emits ``d`` (1 step, 2 accepted, 2 forwards). With output ``a b c``
+    the same step accepts ``b`` and ``c`` is its last token (1 step, 1
+    accepted).
+    """
+    output = list(output_ids)
+    history = list(prompt_ids) + output[:1]  # the prefill emits the first token
+    emitted, spec_steps, accepted = 1, 0, 0
+    while emitted < len(output):
+        drafts = list(propose(history))
+        hits = 0
+        for draft in drafts:
+            if emitted + hits + 1 >= len(output) or draft != output[emitted + hits]:
+                break
+            hits += 1
+        spec_steps += bool(drafts)
+        accepted += hits
+        history.extend(output[emitted:emitted + hits + 1])
+        emitted += hits + 1
+    return spec_steps, accepted
+
+
+def with_replayed_drafts(record: RequestRecord, prompt_ids: Sequence[int],
+                         propose: Callable[[list[int]], Sequence[int]]) -> RequestRecord:
+    """``record`` with the accepted tokens that were emitted, from a replay of
+    its (greedy, deterministic) chain drafter; vLLM's count is kept in
+    ``accepted_tokens_reported`` when it differs. Raises if the replay does
+    not reproduce vLLM's verification steps or exceeds its accepted count:
+    then the drafter or the decoding was not what the replay assumes."""
+    if not record.spec_steps or record.num_output_tokens == 0:
+        return record
+    spec_steps, accepted = replay_chain_drafts(prompt_ids, record.output_token_ids,
+                                               propose)
+    if spec_steps != record.spec_steps or accepted > (record.accepted_tokens or 0):
+        raise ValueError(
+            f"request {record.index}: replaying the drafter gave {spec_steps} "
+            f"steps / {accepted} accepted, vLLM reported {record.spec_steps} / "
+            f"{record.accepted_tokens}")
+    if accepted == record.accepted_tokens:
+        return record
+    return replace(record, accepted_tokens=accepted,
+                   accepted_tokens_reported=record.accepted_tokens)
 
 
 def request_tpot_s(record: RequestRecord) -> float | None:

@@ -19,9 +19,10 @@ from benchmarks import methods, report
 from benchmarks.metrics import (PassResult, RequestRecord, compare_outputs,
                                 first_difference, forwards_per_token,
                                 parse_prometheus_counters, percentile,
-                                request_tpot_s, summarize, target_forwards, tau,
-                                tau_from_counters, tokens_per_second,
-                                tokens_per_step)
+                                replay_chain_drafts, request_tpot_s, summarize,
+                                target_forwards, tau, tau_from_counters,
+                                tokens_per_second, tokens_per_step,
+                                with_replayed_drafts)
 
 
 def spec_record(index, category, n, steps, accepted, drafts=None, **timing):
@@ -63,6 +64,88 @@ def test_forwards_when_max_tokens_cuts_the_last_step():
     # would be absurd; the request made at least 1 + 3 forwards.
     r = spec_record(0, "qa", n=12, steps=3, accepted=12)
     assert target_forwards(r) == 4
+
+
+def _lookup_drafter(k):
+    """A deterministic chain drafter: the k tokens after the latest earlier
+    occurrence of the last token (plain prompt lookup, 1-gram)."""
+    def propose(history):
+        for start in range(len(history) - 2, -1, -1):
+            if history[start] == history[-1]:
+                return history[start + 1:start + 1 + k]
+        return []
+    return propose
+
+
+def test_replay_worked_examples():
+    always = lambda history: [2, 3, 99]  # noqa: E731  ("b c x")
+    assert replay_chain_drafts([7], [1, 2, 3, 4], always) == (1, 2)
+    # Output "a b c": the step's last token is its bonus, b is accepted.
+    assert replay_chain_drafts([7], [1, 2, 3], always) == (1, 1)
+    # Nothing drafted: plain decode steps, none counted as spec steps.
+    assert replay_chain_drafts([7], [1, 5, 6], lambda h: []) == (0, 0)
+    assert replay_chain_drafts([7], [], always) == (0, 0)
+
+
+def test_replay_forwards_equal_a_step_by_step_count():
+    """n - accepted from the replay equals the forwards of a decoder that
+    runs the same drafter step by step, whatever cut the output has."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(200):
+        prompt = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+        full = [rng.randrange(4) for _ in range(50)]
+        n = rng.randrange(1, 40)
+        propose = _lookup_drafter(rng.randrange(1, 6))
+        # Decoder: every forward emits accepted drafts + 1, then the cut.
+        tokens, forwards, steps = full[:1], 1, 0
+        while len(tokens) < n:
+            drafts = propose(prompt + tokens)
+            hits = 0
+            while hits < len(drafts) and drafts[hits] == full[len(tokens) + hits]:
+                hits += 1
+            tokens += full[len(tokens):len(tokens) + hits + 1]
+            forwards += 1
+            steps += bool(drafts)
+        output = tokens[:n]
+        spec_steps, accepted = replay_chain_drafts(prompt, output, propose)
+        assert spec_steps == steps, trial
+        assert len(output) - accepted == forwards, trial
+        # vLLM may count drafts accepted past the cut: more, never fewer.
+        record = RequestRecord(trial, "qa", output, steps, accepted + rng.randrange(3))
+        if steps:
+            fixed = with_replayed_drafts(record, prompt, propose)
+            assert target_forwards(fixed) == forwards
+            assert fixed.accepted_tokens == accepted
+
+
+def test_replay_refuses_counts_it_cannot_reproduce():
+    propose = _lookup_drafter(3)
+    prompt, output = [1, 2, 3], [1, 2, 3, 9]
+    steps, accepted = replay_chain_drafts(prompt, output, propose)
+    assert (steps, accepted) == (1, 2)
+    record = RequestRecord(0, "qa", output, spec_steps=1, accepted_tokens=2)
+    assert with_replayed_drafts(record, prompt, propose) is record  # no cut
+    cut = RequestRecord(0, "qa", output, spec_steps=1, accepted_tokens=5)
+    fixed = with_replayed_drafts(cut, prompt, propose)
+    assert (fixed.accepted_tokens, fixed.accepted_tokens_reported) == (2, 5)
+    for wrong in (RequestRecord(0, "qa", output, spec_steps=2, accepted_tokens=2),
+                  RequestRecord(0, "qa", output, spec_steps=1, accepted_tokens=1)):
+        with pytest.raises(ValueError, match="replaying the drafter"):
+            with_replayed_drafts(wrong, prompt, propose)
+
+
+def test_vllm_ngram_drafter_is_vllms_rule():
+    """The replayed drafter is vLLM's own function with the method's
+    settings: longest suffix n-gram, its earliest occurrence, k tokens."""
+    drafter = methods.METHODS["ngram-k3"].chain_drafter()
+    #          0  1  2  3  4  5  6  7  8  9
+    history = [5, 6, 7, 8, 5, 6, 9, 1, 5, 6]
+    assert drafter(history) == [7, 8, 5]   # "5 6" first occurs at 0
+    assert drafter([1, 2, 3]) == []
+    assert methods.METHODS["esp-4"].chain_drafter() is None
+    assert methods.METHODS["none"].chain_drafter() is None
 
 
 def test_no_speculation_is_one_forward_per_token():
