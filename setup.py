@@ -21,6 +21,8 @@ setup(
     # The repository keeps patches to vLLM in a top-level folder of their own
     # (see patches/README.md); they install as vllm_esp.patches.
     package_dir={"vllm_esp.patches": "patches"},
+    # The tree-attention kernel's source, compiled on first use.
+    package_data={"vllm_esp": ["csrc/*.cpp"]},
     # vLLM (CPU or GPU build, chosen with an extra) brings torch, transformers
     # and safetensors. gguf reads the bundled test models.
     install_requires=["gguf>=0.17"],

@@ -127,6 +127,12 @@ class ESPProposer:
     def propose(self, sampled_token_ids, num_tokens_no_spec=None,
                 token_ids_cpu=None, slot_mappings=None) -> list[list[int]]:
         """Next blocks, aligned with ``runner.input_batch.req_ids``."""
+        from vllm_esp.profiling import scope
+
+        with scope("esp: propose"):
+            return self._propose(sampled_token_ids)
+
+    def _propose(self, sampled_token_ids) -> list[list[int]]:
         runner = self.runner
         req_ids = list(runner.input_batch.req_ids)
         drafts: list[list[int]] = []

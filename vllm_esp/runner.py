@@ -42,6 +42,7 @@ from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_esp.core.verify import select_chain
+from vllm_esp.profiling import scope
 from vllm_esp.step import ESPBlock, ESPStep, set_current_step
 
 
@@ -80,6 +81,12 @@ class ESPModelRunnerMixin:
         set_current_step(None)
         if spec_metadata is None:
             return logits_indices, spec_metadata, max_sampled
+        with scope("esp: prepare inputs"):
+            return self._esp_prepare_inputs(scheduler_output, num_scheduled_tokens,
+                                            logits_indices, spec_metadata, max_sampled)
+
+    def _esp_prepare_inputs(self, scheduler_output, num_scheduled_tokens,
+                            logits_indices, spec_metadata, max_sampled):
         blocks = self._find_esp_blocks(scheduler_output, num_scheduled_tokens)
         if not blocks:
             return logits_indices, spec_metadata, max_sampled
@@ -87,7 +94,7 @@ class ESPModelRunnerMixin:
         step = ESPStep.build(blocks)
         valid = step.query_valid
         self.positions[step.query_rows[valid]] = (
-            step.root_positions[:, None] + step.position_offsets)[valid].to(self.positions)
+            step.root_positions[:, None] + step.position_offsets.long())[valid].to(self.positions)
         # Mask rows take the request's soft embedding instead of a token's.
         self.is_token_ids.cpu[step.mask_rows] = False
         self.is_token_ids.gpu[step.mask_rows] = False
@@ -177,6 +184,10 @@ class ESPModelRunnerMixin:
             return super()._sample(logits, spec_decode_metadata)
         self._esp_step = None
 
+        with scope("esp: verify"):
+            return self._esp_sample(step, logits, spec_decode_metadata)
+
+    def _esp_sample(self, step, logits, spec_decode_metadata):
         esp_blocks = {block.batch_index: block for block in step.blocks}
         vllm_drafts = spec_decode_metadata.draft_token_ids
         vllm_draft_ends = np.cumsum(spec_decode_metadata.num_draft_tokens)
@@ -203,9 +214,11 @@ class ESPModelRunnerMixin:
             sampling_metadata = dataclasses.replace(
                 sampling_metadata,
                 spec_token_ids=[d.tolist() for d in chain_drafts])
-        sampler_output = self.rejection_sampler(
-            chain_metadata, None, compact_logits, sampling_metadata)
-        self._esp_after_verification(step, chains, sampler_output)
+        with scope("esp: sampler"):
+            sampler_output = self.rejection_sampler(
+                chain_metadata, None, compact_logits, sampling_metadata)
+        with scope("esp: after verification"):
+            self._esp_after_verification(step, chains, sampler_output)
         return sampler_output
 
     def _esp_after_verification(self, step, chains, sampler_output) -> None:
@@ -218,8 +231,7 @@ class ESPModelRunnerMixin:
             depths = torch.arange(accepted_path.numel())
             # Node at depth d must end up in the d-th slot after the root.
             moved = accepted_path != depths
-            moved_sources.append(step.node_row_offsets[block_number]
-                                 + accepted_path[moved])
+            moved_sources.append(block.row_start + accepted_path[moved])
             moved_rows.append(block.row_start + depths[moved])
             last_node = int(accepted_path[-1])
             # A hybrid tree carries masks only on some nodes; when the last
@@ -228,32 +240,37 @@ class ESPModelRunnerMixin:
             if block.layout.has_masks[last_node]:
                 probe_rows.append(block.row_start + block.layout.mask_rows[last_node])
                 probe_blocks.append(block)
-        self._relocate_kv(step, torch.cat(moved_sources), torch.cat(moved_rows))
+        with scope("esp: relocate kv"):
+            self._relocate_kv(step, torch.cat(moved_sources), torch.cat(moved_rows))
 
         k = self.esp_config.masks_per_node
         if k == 0 or not probe_rows:  # no mask rows to probe
             return
-        hidden_states = step.hidden_states[torch.cat(probe_rows).to(
-            step.hidden_states.device)]
-        mask_logits = self.model.compute_logits(hidden_states)
-        for block_number, block in enumerate(probe_blocks):
-            self.drafter.mask_logits[block.req_id] = mask_logits[
-                block_number * k:(block_number + 1) * k].cpu()
+        with scope("esp: mask probe"):
+            hidden_states = step.hidden_states[torch.cat(probe_rows).to(
+                step.hidden_states.device)]
+            mask_logits = self.model.compute_logits(hidden_states)
+            for block_number, block in enumerate(probe_blocks):
+                self.drafter.mask_logits[block.req_id] = mask_logits[
+                    block_number * k:(block_number + 1) * k].cpu()
 
-    def _relocate_kv(self, step, stash_rows, destination_rows) -> None:
-        """Copy accepted nodes' post-RoPE K/V to the slots right after the
-        root, with each backend's own cache writer (layout-agnostic). Nodes
-        were computed at their final positions, so a copy is exact."""
-        if stash_rows.numel() == 0:
+    def _relocate_kv(self, step, source_rows, destination_rows) -> None:
+        """Copy accepted nodes' K/V from their block rows' slots to the
+        slots right after the root, in every layer's cache. Nodes were
+        computed at their final positions, so a copy is exact. Moves are in
+        increasing destination order per block, so no source is overwritten
+        before it is read (a source row is never before its destination)."""
+        if source_rows.numel() == 0:
             return
         layers = self.compilation_config.static_forward_context
-        for layer_name, (keys, values) in step.kv_stash.items():
-            layer = layers[layer_name]
-            slots = step.slot_mappings[layer_name][destination_rows.to(
-                step.slot_mappings[layer_name].device)]
-            layer.impl.do_kv_cache_update(layer, keys[stash_rows],
-                                          values[stash_rows], layer.kv_cache,
-                                          slots)
+        # Layers of one KV-cache group share one slot mapping.
+        groups: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        for layer_name, slot_mapping in step.slot_mappings.items():
+            entry = groups.setdefault(id(slot_mapping), (slot_mapping, []))
+            entry[1].append(layers[layer_name].kv_cache)
+        for slot_mapping, caches in groups.values():
+            torch.ops.vllm_esp.copy_slots(caches, slot_mapping[source_rows].long(),
+                                          slot_mapping[destination_rows].long())
 
 
 def chain_spec_decode_metadata(chain_drafts: list[torch.Tensor],

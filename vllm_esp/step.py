@@ -10,7 +10,7 @@ Python side channel runs even when the model is compiled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -50,19 +50,17 @@ class ESPStep:
     # Flat rows of every mask token, and the block each belongs to.
     mask_rows: torch.Tensor
     mask_row_blocks: torch.Tensor
-    # Flat rows of every tree node of every block, block after block; the
-    # attention impl stashes post-RoPE K/V of these rows for relocation.
+    # Flat rows of every tree node of every block, block after block.
     node_rows: torch.Tensor
     # Offset of each block's nodes inside node_rows.
     node_row_offsets: list[int]
-    # Filled during the forward: layer name -> (key, value) of node_rows.
-    kv_stash: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # For the tree-attention kernel: batch index of each block (ascending,
+    # int64) and its rows Q (int32).
+    batch_indices: torch.Tensor
+    num_rows: torch.Tensor
     # Filled after the forward.
     hidden_states: torch.Tensor | None = None
     slot_mappings: dict[str, torch.Tensor] | None = None
-    # Per (block table, sliding window): prefix gather indices and the full
-    # attention mask, computed by the first layer that needs them.
-    attention_cache: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, blocks: list[ESPBlock]) -> "ESPStep":
@@ -96,11 +94,13 @@ class ESPStep:
             query_valid=query_valid,
             root_positions=torch.tensor([b.root_position for b in blocks]),
             tree_masks=tree_masks,
-            position_offsets=position_offsets,
+            position_offsets=position_offsets.to(torch.int32),
             mask_rows=torch.cat(mask_rows),
             mask_row_blocks=torch.cat(mask_row_blocks),
             node_rows=torch.cat(node_rows),
             node_row_offsets=offsets,
+            batch_indices=torch.tensor([b.batch_index for b in blocks]),
+            num_rows=torch.tensor([b.layout.block_size for b in blocks], dtype=torch.int32),
         )
 
 

@@ -24,8 +24,10 @@ def register_tree_attention() -> None:
         register_backend,
     )
 
+    from vllm_esp import kernels
     from vllm_esp.attention import check_vec_layout
 
+    kernels.load()
     check_vec_layout()
     # vLLM's CPU platform always resolves CPU_ATTN, so overriding its path is
     # the registry's supported way to swap the implementation.
