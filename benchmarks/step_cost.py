@@ -93,40 +93,36 @@ class FullLengthProposer:
 
 
 class SizedTreeSource:
-    """ESP candidate source that proposes exactly ``rows`` block rows: a
-    star tree of ``rows / 2 - 1`` children from mask 1's logits, one mask per
-    node (``rows = 2``: the root and its mask; ``rows = 1``: no block)."""
+    """ESP tree proposer that proposes exactly ``rows`` block rows per
+    request: a star tree of ``rows / 2 - 1`` children from mask 1's
+    candidates, one mask per node (``rows = 2``: the root and its mask;
+    ``rows = 1``: no block), through ESP's own batched proposal."""
 
     def __init__(self, config) -> None:
-        from vllm_esp.core.sources import ESPMaskSource
+        from vllm_esp.core.batch import TreeProposer
 
         self.config = config
-        self._sources: dict[int, Any] = {}
-        self._source_cls = ESPMaskSource
+        self._proposers = {rows: TreeProposer(config, widths=(rows // 2 - 1,))
+                           for rows in range(4, MAX_ROWS + 1, 2)}
+        self.max_nodes = MAX_ROWS // 2
+        self.candidate_width = MAX_ROWS // 2
 
-    def _source(self, rows: int):
-        from dataclasses import replace
-
-        source = self._sources.get(rows)
-        if source is None:
-            config = replace(self.config, num_mask_tokens=1, tree=(rows // 2 - 1,),
-                             block_complexity=None, candidates=("esp",))
-            source = self._sources[rows] = self._source_cls(config)
-        return source
-
-    def propose(self, context):
-        import torch
-
-        from vllm_esp.core.proposal import DraftTree
-        from vllm_esp.core.tree import TreeSpec
+    def propose(self, histories, history_rows, history_starts, history_ends, roots,
+                cand_tokens, cand_log_probs, has_candidates, vocab_size, out=None):
+        from vllm_esp.core.batch import TreeBatch
 
         rows = _ROWS["value"]
-        if rows <= 1:
-            return None
-        if rows == 2:
-            return DraftTree(TreeSpec((-1,), num_mask_tokens=1),
-                             torch.tensor([context.root_token]))
-        return self._source(rows).propose(context)
+        trees = TreeBatch.empty(roots.shape[0], self.max_nodes, 1)
+        if rows >= 4:
+            proposer = self._proposers[rows]
+            proposer.propose(histories, history_rows, history_starts, history_ends, roots,
+                             cand_tokens, cand_log_probs, has_candidates, vocab_size,
+                             out=trees)
+        elif rows == 2:  # the root and its mask
+            trees.tokens[:, 0] = roots
+            trees.masked[:, 0] = True
+            trees.num_nodes[:] = 1
+        return trees
 
 
 def engine_config(method: str, max_rows: int) -> dict[str, Any]:

@@ -15,7 +15,10 @@ Why:      ``SpeculativeConfig`` is a pydantic dataclass with a closed
             additional_config["esp"] -> the validated ESP options
             worker_cls -> the ESP worker (CPU or GPU)
             scheduler_cls -> ESPScheduler (spec-decode metrics in tree nodes)
-            enable_prompt_embeds -> True (mask rows carry a soft embedding)
+
+          ``enable_prompt_embeds`` is left as the user set it: the ESP runner
+          feeds mask rows their soft embedding through its own switch, so
+          clients can send prompt embeddings only if the user allowed them.
 
           Everything else goes to the original untouched, and engine args
           without ``"method": "esp"`` are passed through as they are.
@@ -102,7 +105,6 @@ def translate_esp_engine_args(engine_args: Any, platform: str) -> ESPConfig:
         "esp": esp_config.to_dict(),
     }
     engine_args.worker_cls = WORKER_CLS[platform]
-    engine_args.enable_prompt_embeds = True
     logger.info(
         "ESP enabled: %s; block of %d tokens per request per step "
         "(%d tree nodes incl. root, %d mask token(s) per node)",

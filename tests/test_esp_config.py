@@ -60,7 +60,11 @@ def test_translation_to_vllm_hooks():
     assert args.additional_config == {"other": 1, "esp": config.to_dict()}
     assert args.worker_cls == "vllm_esp.worker.ESPCPUWorker"
     assert args.scheduler_cls == "vllm_esp.scheduler.ESPScheduler"
-    assert args.enable_prompt_embeds is True
+    # What clients may send is the user's choice, not ESP's.
+    assert args.enable_prompt_embeds is False
+    trusted = _engine_args(speculative_config={"method": "esp"}, enable_prompt_embeds=True)
+    translate_esp_engine_args(trusted, "cpu")
+    assert trusted.enable_prompt_embeds is True
 
 
 @pytest.mark.parametrize("kwargs, must_mention", [

@@ -91,7 +91,7 @@ class ESPCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def _split(self, metadata: CPUAttentionMetadata, step,
                common) -> ESPCPUAttentionMetadata:
         num_reqs = common.num_reqs
-        blocks = step.batch_indices  # int64, ascending
+        blocks = torch.as_tensor(step.batch_indices)  # int64, ascending
         is_block = torch.zeros(num_reqs, dtype=torch.bool)
         is_block[blocks] = True
         seq_lens = metadata.seq_lens

@@ -11,7 +11,10 @@ output equals plain decoding.
 
 Injected into the vLLM engine through
 ``additional_config["esp_candidate_source"]`` (see
-:func:`vllm_esp.proposer.candidate_source_from_vllm`). Not a user feature.
+:func:`vllm_esp.proposer.tree_proposer_from_vllm`), which takes the batch
+interface of :class:`vllm_esp.core.batch.TreeProposer`; ``propose`` here
+loops over the batch in Python, which is fine for a test. Not a user
+feature.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 import torch
 
 from vllm_esp.config import ESPConfig
+from vllm_esp.core.batch import TreeBatch
 from vllm_esp.core.proposal import DraftTree
 from vllm_esp.core.sources import ProposalContext
 from vllm_esp.core.tree import TreeSpec
@@ -38,6 +42,16 @@ class OracleSource:
         else:  # same node count as the dynamic budget, as a deep tree
             k = config.num_mask_tokens
             self.widths = [config.node_budget - (k - 1)] + [1] * (k - 1)
+        self.max_nodes = 1 + sum(self.widths)
+        self.candidate_width = 1
+
+    def propose(self, histories, history_rows, history_starts, history_ends, roots,
+                cand_tokens, cand_log_probs, has_candidates, vocab_size, out=None):
+        trees = [self.propose_one(ProposalContext(
+                     histories[row, start:end], int(root)))
+                 for row, start, end, root in zip(history_rows, history_starts,
+                                                  history_ends, roots)]
+        return TreeBatch.from_trees(trees, self.config.num_mask_tokens)
 
     def _true_tokens(self, history: list[int]) -> list[int] | None:
         for prompt, output in self.continuations:
@@ -47,7 +61,7 @@ class OracleSource:
                     return output[len(generated):]
         return None
 
-    def propose(self, context: ProposalContext) -> DraftTree:
+    def propose_one(self, context: ProposalContext) -> DraftTree:
         history = [int(t) for t in np.asarray(context.token_ids)]
         truth = self._true_tokens(history) or []
         parents, tokens = [-1], [context.root_token]

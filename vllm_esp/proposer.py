@@ -1,4 +1,4 @@
-"""ESP drafts for vLLM: the ``custom_class`` proposer.
+"""ESP drafts for vLLM: the ``custom_class`` proposer and ESP's engine state.
 
 vLLM calls ``propose`` once per step, after the step's tokens are committed,
 and schedules exactly ``1 + len(drafts)`` query slots per request next step.
@@ -7,21 +7,23 @@ ESP asks for its whole block through that list:
     drafts = tree node tokens (T - 1)  +  mask slots (k per masked node)
 
 so the scheduler reserves the block's ``Q`` KV slots with no scheduler
-change. The mask slots' token id is never embedded: the runner gives those
-rows the request's soft mask embedding. The mask slots hold the block's
-draft-node count (``mask_slot_tokens``), which lets the scheduler (in another
-process) tell nodes from mask slots without knowing the tree
-(``tree_node_count``).
+change. The mask slots carry a placeholder id (``MASK_SLOT_TOKEN``) that is
+never embedded: the runner feeds those rows the request's soft mask
+embedding. How many of the drafts are tree nodes reaches the scheduler
+through an explicit channel (:class:`ESPDraftTokenIds`), for vLLM's
+metrics.
 
 Example, ESP alone with ``tree=[4]`` (k = 1, T = 5, Q = 10), root token 42,
 mask-1 top candidates [17, 42, 9, 3, 88]: pruning drops 42 (equal to its
 parent, the root), so the tree is 42 -> {17, 9, 3, 88} and the drafts are
-``[17, 9, 3, 88, 4, 4, 4, 4, 5]``.
+``[17, 9, 3, 88, 0, 0, 0, 0, 0]`` (4 nodes, 5 mask slots).
 
-The proposer is a thin holder of per-request engine state (the mask
-embedding and the block proposed last); the algorithm lives in
-:mod:`vllm_esp.core`. The runner hands it the mask logits of each request's
-last accepted node after verification.
+Everything per step is batched: the mask embeddings' EMA in one embedding
+call and one update, the next trees of all requests in one compiled call
+(``core.batch.TreeProposer``). The proposer keeps each request's state in a
+*slot* of preallocated arrays: its mask embedding, its pending block (the
+tree whose drafts it returned last), and the candidate table the runner
+filled from the masks of its last accepted node.
 """
 
 from __future__ import annotations
@@ -30,77 +32,98 @@ import logging
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from vllm.v1.outputs import DraftTokenIds
 
 from vllm_esp.config import ESPConfig
-from vllm_esp.core.mask_embedding import (
-    embedding_table_stats,
-    ema_update,
-    initial_mask_embedding,
-)
-from vllm_esp.core.proposal import DraftTree
-from vllm_esp.core.sources import (CandidateSource, ProposalContext,
-                                   candidate_source)
+from vllm_esp.core.batch import TreeBatch, TreeProposer
+from vllm_esp.core.mask_embedding import (ema_update_packed, embedding_table_stats,
+                                          initial_mask_embedding)
+from vllm_esp.profiling import scope
 
 logger = logging.getLogger("vllm_esp")
 
-
-
-def mask_slot_tokens(num_draft_nodes: int, num_mask_slots: int) -> list[int]:
-    """A block's mask slots: its draft-node count ``n``, repeated, and
-    ``n + 1`` in the last slot.
-
-    Mask rows are fed the soft embedding, so any valid vocabulary id works
-    (``n + 1 <= 128`` is one in every model; non-negative keeps vLLM's
-    padding logic, -1, out of the way). These ids tell the scheduler where
-    the nodes end, which a hybrid tree (masks on some nodes only) cannot
-    convey by its length, and the distinct last id tells a whole block from
-    one the scheduler truncated inside its mask slots.
-    """
-    if num_mask_slots == 0:
-        return []
-    return [num_draft_nodes] * (num_mask_slots - 1) + [num_draft_nodes + 1]
+# Token id of the mask slots in a draft list. Any valid id works (those rows
+# are fed the soft embedding); it must not be -1, vLLM's padding.
+MASK_SLOT_TOKEN = 0
 
 
 @dataclass
-class ESPRequestState:
-    mask_embedding: torch.Tensor  # [H] fp32
-    num_folded_outputs: int  # output tokens already folded into the EMA
-    pending_tree: DraftTree | None = None
-    pending_drafts: list[int] | None = None
+class ESPDraftTokenIds(DraftTokenIds):
+    """vLLM's drafts plus, per request, how many of them are tree nodes (-1:
+    not an ESP block). The ESP scheduler reads it for its metrics."""
+
+    tree_nodes: list[int] | None = None
 
 
 def esp_config_from_vllm(vllm_config) -> ESPConfig:
     return ESPConfig.from_serialized(vllm_config.additional_config["esp"])
 
 
-def candidate_source_from_vllm(vllm_config, esp_config: ESPConfig) -> CandidateSource:
-    """The configured source (ESP masks, or the hybrid with prompt lookup),
-    unless a test injects another source through
+def tree_proposer_from_vllm(vllm_config, esp_config: ESPConfig):
+    """The configured proposer (ESP masks, or the hybrid with prompt lookup),
+    unless a test or benchmark injects another through
     ``additional_config["esp_candidate_source"] = {"class": "pkg.Cls",
-    "kwargs": {...}}`` (used by the oracle test; not a user option)."""
+    "kwargs": {...}}``: a class taking ``(esp_config, **kwargs)`` with
+    ``TreeProposer``'s ``propose`` and ``candidate_width`` (the oracle test,
+    the step-cost benchmark; not a user option)."""
     override = (vllm_config.additional_config or {}).get("esp_candidate_source")
     if override is None:
-        return candidate_source(esp_config)
+        return TreeProposer(esp_config)
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
     source_cls = resolve_obj_by_qualname(override["class"])
-    logger.warning("ESP: candidate source overridden by %s (testing hook)",
+    logger.warning("ESP: tree proposer overridden by %s (testing hook)",
                    override["class"])
     return source_cls(esp_config, **override.get("kwargs", {}))
 
 
+def has_structured_output(request) -> bool:
+    params = getattr(request, "sampling_params", None)
+    return params is not None and getattr(params, "structured_outputs", None) is not None
+
+
 class ESPProposer:
+    """vLLM's ``custom_class`` proposer for ESP: per-request state in slots
+    and the batched proposal step. The runner (``vllm_esp.runner``) drives
+    the forward and verification and calls back into this object."""
+
     def __init__(self, vllm_config) -> None:
         self.esp_config = esp_config_from_vllm(vllm_config)
-        self.source = candidate_source_from_vllm(vllm_config, self.esp_config)
-        self.states: dict[str, ESPRequestState] = {}
-        # req_id -> [k, V] logits of the masks of the last accepted node,
-        # set by the runner after verification and consumed by propose().
-        self.mask_logits: dict[str, torch.Tensor] = {}
+        self.tree_proposer = tree_proposer_from_vllm(vllm_config, self.esp_config)
+        self.max_slots = vllm_config.scheduler_config.max_num_seqs
         self.runner = None
         self.model = None
         self._table_stats = None
+        config = self.esp_config
+        slots = self.max_slots
+        self.slot_of: dict[str, int] = {}
+        self.free_slots = list(range(slots - 1, -1, -1))
+        self.num_mask_tokens = config.masks_per_node
+        # Pending blocks: the trees whose drafts propose() returned last.
+        self.pending = TreeBatch.empty(slots, self.tree_proposer.max_nodes,
+                                       self.num_mask_tokens)
+        self.pending_drafts: list[list[int] | None] = [None] * slots
+        # Candidate tables from the masks of each request's last accepted
+        # node (filled by the runner after verification, used once).
+        width = self.tree_proposer.candidate_width
+        levels = max(config.num_mask_tokens, 1)
+        self.cand_tokens = np.zeros((slots, levels, width), np.int64)
+        self.cand_log_probs = np.zeros((slots, levels, width), np.float32)
+        self.has_candidates = np.zeros(slots, np.bool_)
+        # Mask embeddings (fp32) and how many output tokens each has folded.
+        self.mask_embeddings: torch.Tensor | None = None
+        self.initialized = np.zeros(slots, np.bool_)
+        self.num_folded = np.zeros(slots, np.int64)
+        # Where prompt lookup starts in each request's token history
+        # (prompt-embeds requests: after the prompt, whose ids are unknown).
+        self.history_starts = np.zeros(slots, np.int64)
+        # No block for these: structured output (the grammar validates
+        # chains only), and requests whose proposal failed (plain decoding
+        # for good).
+        self.structured = np.zeros(slots, np.bool_)
+        self.no_block = np.zeros(slots, np.bool_)
 
     # ------------------------------------------------------------ engine glue
     def load_model(self, model) -> None:
@@ -108,102 +131,215 @@ class ESPProposer:
 
     def bind(self, runner) -> None:
         self.runner = runner
+        hidden = runner.inputs_embeds.gpu.shape[-1]
+        self.mask_embeddings = torch.zeros(self.max_slots, hidden, dtype=torch.float32,
+                                           device=runner.device)
 
-    def drop(self, req_id: str) -> None:
-        self.states.pop(req_id, None)
-        self.mask_logits.pop(req_id, None)
+    def slots(self, req_ids: list[str]) -> np.ndarray:
+        """Slots of ``req_ids``, assigning free ones to new requests."""
+        slot_of = self.slot_of
+        for req_id in req_ids:
+            if req_id not in slot_of:
+                if not self.free_slots:
+                    self._grow()
+                slot = self.free_slots.pop()
+                slot_of[req_id] = slot
+                self.initialized[slot] = False
+                self.has_candidates[slot] = False
+                self.pending_drafts[slot] = None
+                self.pending.num_nodes[slot] = 0
+                self.num_folded[slot] = 0
+                request = self.runner.requests[req_id]
+                self.structured[slot] = has_structured_output(request)
+                self.no_block[slot] = self.structured[slot]
+                # A prompt given as embeddings has no token ids to look up.
+                self.history_starts[slot] = (
+                    0 if request.prompt_token_ids is not None
+                    else int(request.prompt_embeds.shape[0]))
+        return np.fromiter((slot_of[r] for r in req_ids), np.int64, len(req_ids))
 
-    def pending_drafts(self, req_id: str) -> list[int] | None:
-        state = self.states.get(req_id)
-        return None if state is None else state.pending_drafts
+    def _grow(self) -> None:
+        """Double the slots: preempted requests keep theirs while others run."""
+        old = self.max_slots
+        self.max_slots = new = 2 * old
+        for name in ("cand_tokens", "cand_log_probs", "has_candidates", "initialized",
+                     "num_folded", "history_starts", "structured", "no_block"):
+            array = getattr(self, name)
+            grown = np.zeros((new,) + array.shape[1:], array.dtype)
+            grown[:old] = array
+            setattr(self, name, grown)
+        pending = self.pending
+        self.pending = TreeBatch.empty(new, pending.parents.shape[1],
+                                       pending.num_mask_tokens)
+        for name in ("parents", "tokens", "masked", "num_nodes"):
+            getattr(self.pending, name)[:old] = getattr(pending, name)
+        self.pending_drafts += [None] * old
+        embeddings = self.mask_embeddings
+        self.mask_embeddings = embeddings.new_zeros((new, embeddings.shape[1]))
+        self.mask_embeddings[:old] = embeddings
+        self.free_slots = list(range(new - 1, old - 1, -1))
 
-    def pending_tree(self, req_id: str) -> DraftTree | None:
-        return self.states[req_id].pending_tree
+    def structured_in_batch(self, req_ids: list[str]) -> bool:
+        return bool(self.structured[self.slots(req_ids)].any())
 
-    def mask_embedding(self, req_id: str) -> torch.Tensor:
-        return self.states[req_id].mask_embedding
+    def tree_node_counts(self, req_ids: list[str], draft_lists: list[list[int]]
+                         ) -> list[int]:
+        """Tree nodes among each request's drafts, -1 where the drafts are
+        not an ESP block (vLLM replaced them, e.g. near max_model_len)."""
+        counts = []
+        for req_id, drafts in zip(req_ids, draft_lists):
+            slot = self.slot_of.get(req_id)
+            if slot is not None and drafts and drafts is self.pending_drafts[slot]:
+                counts.append(int(self.pending.num_nodes[slot]) - 1)
+            else:
+                counts.append(-1)
+        return counts
+
+    def drop(self, req_ids) -> None:
+        for req_id in req_ids:
+            slot = self.slot_of.pop(req_id, None)
+            if slot is not None:
+                self.free_slots.append(slot)
+
+    def matching_blocks(self, req_ids: list[str], scheduled: dict[str, list[int]]
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        """Batch indices and slots of the requests whose scheduled drafts are
+        exactly the block proposed for them. Truncated (token budget,
+        ``max_model_len``), padded (resumed) or otherwise changed draft lists
+        are not: vLLM verifies those as plain chains, losslessly."""
+        indices, slots = [], []
+        slot_of, pending = self.slot_of, self.pending_drafts
+        for index, req_id in enumerate(req_ids):
+            drafts = scheduled.get(req_id)
+            slot = slot_of.get(req_id)
+            if drafts and slot is not None and drafts == pending[slot]:
+                indices.append(index)
+                slots.append(slot)
+        return np.asarray(indices, np.int64), np.asarray(slots, np.int64)
+
+    def set_candidates(self, slots: np.ndarray, tokens: np.ndarray,
+                       log_probs: np.ndarray) -> None:
+        """Candidate tables of the masks of these requests' last accepted
+        nodes (the next proposal uses each once)."""
+        self.cand_tokens[slots, :, :tokens.shape[-1]] = tokens
+        self.cand_log_probs[slots, :, :tokens.shape[-1]] = log_probs
+        self.has_candidates[slots] = True
+
+    @property
+    def candidate_width(self) -> int:
+        return self.tree_proposer.candidate_width
 
     # -------------------------------------------------------------- proposing
     def propose(self, sampled_token_ids, num_tokens_no_spec=None,
                 token_ids_cpu=None, slot_mappings=None) -> list[list[int]]:
         """Next blocks, aligned with ``runner.input_batch.req_ids``."""
-        from vllm_esp.profiling import scope
-
         with scope("esp: propose"):
-            return self._propose(sampled_token_ids)
+            req_ids = list(self.runner.input_batch.req_ids)
+            slots = self.slots(req_ids)
+            active = np.fromiter((bool(s) for s in sampled_token_ids), np.bool_,
+                                 len(req_ids)) & ~self.no_block[slots]
+            try:
+                self._propose(req_ids, slots, active)
+            except Exception:
+                self._isolate_failure(req_ids, slots, active)
+            drafts: list[list[int]] = [[] for _ in req_ids]
+            pending = self.pending_drafts
+            for index in np.flatnonzero(active):
+                drafts[index] = pending[slots[index]] or []
+            for slot in slots[~active]:
+                pending[slot] = None
+            # Candidates are used once: the next proposal needs new ones.
+            self.has_candidates[slots] = False
+            return drafts
 
-    def _propose(self, sampled_token_ids) -> list[list[int]]:
+    def _propose(self, req_ids: list[str], slots: np.ndarray, active: np.ndarray) -> None:
         runner = self.runner
-        req_ids = list(runner.input_batch.req_ids)
-        drafts: list[list[int]] = []
-        active: list[str] = []
-        for req_id, sampled in zip(req_ids, sampled_token_ids):
-            request = runner.requests[req_id]
-            if not sampled or has_structured_output(request):
-                # Mid-prefill, or a grammar that validates chains only: no
-                # block this step (lossless plain decoding).
-                self.mask_logits.pop(req_id, None)
-                if req_id in self.states:
-                    self.states[req_id].pending_drafts = None
-                drafts.append([])
+        indices = np.flatnonzero(active)
+        if indices.size == 0:
+            return
+        active_slots = slots[indices]
+        input_batch = runner.input_batch
+        ends = input_batch.num_tokens_no_spec[indices].astype(np.int64)
+        token_ids = input_batch.token_ids_cpu
+        trees = self.tree_proposer.propose(
+            token_ids, indices, self.history_starts[active_slots], ends,
+            token_ids[indices, ends - 1].astype(np.int64),
+            self.cand_tokens[active_slots], self.cand_log_probs[active_slots],
+            self.has_candidates[active_slots], runner.model_config.get_vocab_size())
+        pending = self.pending
+        width = trees.parents.shape[1]
+        pending.parents[active_slots, :width] = trees.parents
+        pending.tokens[active_slots, :width] = trees.tokens
+        pending.masked[active_slots, :width] = trees.masked
+        pending.num_nodes[active_slots] = trees.num_nodes
+        block_sizes = trees.block_sizes()
+        for row, slot in enumerate(active_slots):
+            num_nodes = int(trees.num_nodes[row])
+            if num_nodes == 0:
+                self.pending_drafts[slot] = None
                 continue
-            active.append(req_id)
-            drafts.append(None)  # filled below
-        self._update_mask_embeddings(active)
-        token_ids = runner.input_batch.token_ids_cpu
-        num_tokens = runner.input_batch.num_tokens_no_spec
-        for index, req_id in enumerate(req_ids):
-            if drafts[index] is not None:
-                continue
-            state = self.states[req_id]
-            mask_logits = self.mask_logits.pop(req_id, None)
-            history = token_ids[index, :num_tokens[index]]
-            tree = self.source.propose(ProposalContext(
-                token_ids=history, root_token=int(history[-1]),
-                mask_logits=None if mask_logits is None else mask_logits.float()))
-            if tree is None or tree.layout.block_size > self.esp_config.block_size:
-                state.pending_tree = state.pending_drafts = None
-                drafts[index] = []
-                continue
-            num_draft_nodes = tree.num_nodes - 1
-            mask_slots = mask_slot_tokens(num_draft_nodes,
-                                          tree.layout.block_size - tree.num_nodes)
-            state.pending_tree = tree
-            state.pending_drafts = tree.draft_tokens.tolist() + mask_slots
-            drafts[index] = state.pending_drafts
-        return drafts
+            self.pending_drafts[slot] = trees.tokens[row, 1:num_nodes].tolist() + [
+                MASK_SLOT_TOKEN] * int(block_sizes[row] - num_nodes)
+        # Only blocks with mask rows read the mask embedding: bring those up
+        # to date (the others catch up when they next need it).
+        with_masks = block_sizes > trees.num_nodes
+        if with_masks.any():
+            self._update_mask_embeddings([req_ids[i] for i in indices[with_masks]],
+                                         active_slots[with_masks])
 
-    def _update_mask_embeddings(self, req_ids: list[str]) -> None:
-        """Create missing states and fold new output tokens into the EMA.
+    def _isolate_failure(self, req_ids, slots, active) -> None:
+        """A proposal error must not take the engine down: find the
+        request(s) it comes from by proposing for each alone, and decode
+        those without a block from now on (plain decoding, lossless)."""
+        logger.exception("ESP: the batched proposal failed; isolating the request")
+        for index in np.flatnonzero(active):
+            one = np.zeros_like(active)
+            one[index] = True
+            try:
+                self._propose(req_ids, slots, one)
+            except Exception:
+                logger.error("ESP: request %s falls back to plain decoding "
+                             "(its proposal fails)", req_ids[index], exc_info=True)
+                self.no_block[slots[index]] = True
+                self.pending_drafts[slots[index]] = None
+                active[index] = False
 
-        The state is a deterministic function of the token history, so it
-        survives preemption: a resumed request simply folds what it has not
-        folded yet. One embedding call covers every request of the step.
-        """
-        runner = self.runner
+    def _update_mask_embeddings(self, req_ids: list[str], slots: np.ndarray) -> None:
+        """Initialise new requests' mask embeddings from their prompts and
+        fold every request's new output tokens into its EMA, in one
+        embedding call. The state is a function of the token history, so it
+        survives preemption: a resumed request folds what it has not yet."""
         config = self.esp_config
-        new_prompts: list[str] = [r for r in req_ids if r not in self.states]
+        requests = self.runner.requests
+        new = np.flatnonzero(~self.initialized[slots])
         pieces: list[list[int]] = []
-        for req_id in new_prompts:
-            pieces.append(list(runner.requests[req_id].prompt_token_ids))
-        folds: list[tuple[str, int]] = []
-        for req_id in req_ids:
-            outputs = runner.requests[req_id].output_token_ids
-            start = (0 if req_id in new_prompts
-                     else self.states[req_id].num_folded_outputs)
-            folds.append((req_id, len(outputs)))
-            pieces.append(list(outputs[start:]))
-        embeddings = self._embed(pieces)
-        for req_id, prompt_embeddings in zip(new_prompts, embeddings):
-            self.states[req_id] = ESPRequestState(
-                mask_embedding=self._initial(req_id, prompt_embeddings),
-                num_folded_outputs=0)
-        for (req_id, num_outputs), token_embeddings in zip(
-                folds, embeddings[len(new_prompts):]):
-            state = self.states[req_id]
-            state.mask_embedding = ema_update(state.mask_embedding,
-                                              token_embeddings, config.ema)
-            state.num_folded_outputs = num_outputs
+        prompt_embeds: dict[int, torch.Tensor] = {}
+        for i in new:
+            request = requests[req_ids[i]]
+            if request.prompt_token_ids is None:
+                prompt_embeds[int(i)] = request.prompt_embeds
+                pieces.append([])
+            else:
+                pieces.append(list(request.prompt_token_ids))
+        folded = self.num_folded[slots]
+        outputs = [requests[r].output_token_ids for r in req_ids]
+        fold_tokens = [t for out, start in zip(outputs, folded) for t in out[start:]]
+        fold_counts = np.fromiter((len(out) for out in outputs), np.int64, len(outputs))
+        embeddings = self._embed([t for piece in pieces for t in piece] + fold_tokens)
+        prompt_counts = [len(piece) for piece in pieces]
+        prompt_part, fold_part = embeddings.split(
+            [sum(prompt_counts), len(fold_tokens)])
+        for i, prompt in zip(new, prompt_part.split(prompt_counts)):
+            if int(i) in prompt_embeds:
+                prompt = prompt_embeds[int(i)].to(prompt_part)
+            self.mask_embeddings[slots[i]] = self._initial(req_ids[i], prompt)
+            self.initialized[slots[i]] = True
+        if fold_tokens:
+            owner = torch.from_numpy(np.repeat(np.arange(len(slots)), fold_counts - folded))
+            slot_index = torch.from_numpy(slots)
+            self.mask_embeddings[slot_index] = ema_update_packed(
+                self.mask_embeddings[slot_index], fold_part, owner, config.ema)
+        self.num_folded[slots] = fold_counts
 
     def _initial(self, req_id: str, prompt_embeddings: torch.Tensor) -> torch.Tensor:
         mode = self.esp_config.mask_init
@@ -211,7 +347,7 @@ class ESPProposer:
             return initial_mask_embedding(prompt_embeddings, mode)
         if self._table_stats is None:
             weight = self.model.get_input_embeddings().weight
-            probe = self._embed([[0]])[0][0]
+            probe = self._embed([0])[0]
             scale = float(probe.norm() / weight[0].float().norm().clamp(min=1e-12))
             self._table_stats = embedding_table_stats(weight, scale)
         mu, sigma = self._table_stats
@@ -220,40 +356,13 @@ class ESPProposer:
         noise = torch.randn(mu.shape, generator=generator)
         return mu + sigma * noise
 
-    def _embed(self, pieces: list[list[int]]) -> list[torch.Tensor]:
-        """The model's own embedding function (scaling included), in fp32."""
-        flat = [t for piece in pieces for t in piece]
-        if not flat:
-            hidden = self.runner.inputs_embeds.gpu.shape[-1]
-            return [torch.zeros(0, hidden) for _ in pieces]
-        device = self.runner.device
-        ids = torch.tensor(flat, dtype=torch.long, device=device)
+    def _embed(self, token_ids: list[int]) -> torch.Tensor:
+        """The model's own embedding function (scaling included), in fp32.
+        Under tensor parallelism this is a collective: every rank calls it
+        with the same tokens."""
+        hidden = self.mask_embeddings.shape[1]
+        if not token_ids:
+            return torch.zeros(0, hidden)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.runner.device)
         with torch.inference_mode():
-            embedded = self.model.embed_input_ids(ids).float().cpu()
-        return list(torch.split(embedded, [len(p) for p in pieces]))
-
-
-def tree_node_count(drafts, masks_per_node: int) -> int:
-    """Draft tree nodes in a scheduled draft list.
-
-    A whole ESP block is ``n`` node tokens followed by its mask slots
-    (``mask_slot_tokens``: ``n`` repeated, then ``n + 1``), a multiple of
-    ``masks_per_node`` of them. Anything else is verified as a plain chain
-    (a block the scheduler truncated, or a lookup-only chain) and counts
-    every slot. A chain is only mistaken for a block if its tail happens to
-    have exactly that form.
-    """
-    num_slots = len(drafts)
-    if masks_per_node == 0 or num_slots == 0:
-        return num_slots
-    num_nodes = int(drafts[-1]) - 1
-    if (0 <= num_nodes < num_slots
-            and (num_slots - num_nodes) % masks_per_node == 0
-            and set(drafts[num_nodes:-1]) <= {num_nodes}):
-        return num_nodes
-    return num_slots
-
-
-def has_structured_output(request) -> bool:
-    params = getattr(request, "sampling_params", None)
-    return params is not None and getattr(params, "structured_outputs", None) is not None
+            return self.model.embed_input_ids(ids).float()

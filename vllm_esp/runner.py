@@ -1,16 +1,16 @@
 """The ESP model runner: one forward verifies a tree and probes the next one.
 
 A subclass of vLLM's (legacy V1) model runner, installed by the ESP worker.
-It overrides four hooks and leaves the rest of vLLM's step untouched:
+It overrides a few hooks and leaves the rest of vLLM's step untouched:
 
 ``_prepare_inputs``
     Finds the requests whose scheduled drafts are exactly the block ESP
     proposed (truncated, padded or grammar-trimmed blocks are not, and stay
-    plain chain rows, which vLLM verifies losslessly). For each ESP block it
-    rewrites the RoPE positions to tree positions (the KV slots, already
-    derived from linear positions, stay unique), marks the mask rows as
-    embedding rows and writes the request's soft mask embedding there, keeps
-    logits for the tree-node rows only, and publishes the block layouts for
+    plain chain rows, which vLLM verifies losslessly). For their blocks, all
+    at once, it rewrites the RoPE positions to tree positions (the KV slots,
+    already derived from linear positions, stay unique), marks the mask rows
+    as embedding rows and writes each request's soft mask embedding there,
+    keeps logits for the tree-node rows only, and publishes the blocks for
     the tree-attention backend.
 ``execute_model``
     Keeps the hidden states and slot mappings for the steps after sampling.
@@ -24,12 +24,18 @@ It overrides four hooks and leaves the rest of vLLM's step untouched:
     rejection sampling stays exactly the target distribution, and
     temperature, top-p/k, penalties, seeds and logprobs work as in vLLM.
     Then it moves the accepted nodes' KV to the linear slots after the root,
-    and computes the logits of the masks of each last accepted node, which
-    seed the next tree (see :class:`vllm_esp.proposer.ESPProposer`).
-``_update_states``
-    Drops the ESP state of finished requests.
+    and computes the logits of the masks of each last accepted node, whose
+    top candidates seed the next tree (:class:`vllm_esp.proposer.ESPProposer`).
+``take_draft_token_ids``
+    Tells the scheduler how many of each request's drafts are tree nodes.
 
-Only checked on CPU (vLLM 0.32.0).
+Mask rows need a soft embedding, so the runner always feeds the model input
+embeddings (vLLM's prompt-embeds input path, switched on inside this runner
+only): clients still cannot send prompt embeddings unless the user enabled
+them.
+
+Every step's work is batched (no Python per block or node). Only checked on
+CPU (vLLM 0.32.0).
 """
 
 from __future__ import annotations
@@ -41,36 +47,34 @@ import torch
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from vllm_esp.core.verify import select_chain
+from vllm_esp.core.batch import TreeBatch, select_chains
+from vllm_esp.core.proposal import mask_candidates
 from vllm_esp.profiling import scope
-from vllm_esp.step import ESPBlock, ESPStep, set_current_step
+from vllm_esp.proposer import ESPDraftTokenIds, ESPProposer
+from vllm_esp.step import ESPStep, set_current_step
 
 
 class ESPModelRunnerMixin:
     def _esp_init(self) -> None:
-        from vllm_esp.proposer import ESPProposer
-
         if not isinstance(getattr(self, "drafter", None), ESPProposer):
             raise RuntimeError("ESP runner needs the ESPProposer drafter")
-        if not self.enable_prompt_embeds:
-            raise RuntimeError(
-                "ESP feeds soft embeddings to mask rows and needs "
-                "enable_prompt_embeds; use speculative_config method 'esp', "
-                "which sets it.")
         if self.uses_mrope or self.supports_mm_inputs:
             raise ValueError(
                 "ESP supports text-only models with standard RoPE; this model "
                 "(multimodal or M-RoPE) cannot use speculative_config method "
                 "'esp'.")
+        # Mask rows are fed a soft embedding: the model always takes input
+        # embeddings from this runner. This is the runner's own switch; the
+        # model config (what clients may send) is left as the user set it.
+        self.enable_prompt_embeds = True
         self.esp_config = self.drafter.esp_config
         self.drafter.bind(self)
         self._esp_step: ESPStep | None = None
-        self._esp_logit_spans: list[tuple[int, int]] = []
+        self._esp_logit_starts: np.ndarray | None = None
 
     # ---------------------------------------------------------------- states
     def _update_states(self, scheduler_output):
-        for req_id in scheduler_output.finished_req_ids:
-            self.drafter.drop(req_id)
+        self.drafter.drop(scheduler_output.finished_req_ids)
         return super()._update_states(scheduler_output)
 
     # ---------------------------------------------------------------- inputs
@@ -82,55 +86,54 @@ class ESPModelRunnerMixin:
         if spec_metadata is None:
             return logits_indices, spec_metadata, max_sampled
         with scope("esp: prepare inputs"):
-            return self._esp_prepare_inputs(scheduler_output, num_scheduled_tokens,
-                                            logits_indices, spec_metadata, max_sampled)
-
-    def _esp_prepare_inputs(self, scheduler_output, num_scheduled_tokens,
-                            logits_indices, spec_metadata, max_sampled):
-        blocks = self._find_esp_blocks(scheduler_output, num_scheduled_tokens)
-        if not blocks:
-            return logits_indices, spec_metadata, max_sampled
-
-        step = ESPStep.build(blocks)
-        valid = step.query_valid
-        self.positions[step.query_rows[valid]] = (
-            step.root_positions[:, None] + step.position_offsets.long())[valid].to(self.positions)
-        # Mask rows take the request's soft embedding instead of a token's.
-        self.is_token_ids.cpu[step.mask_rows] = False
-        self.is_token_ids.gpu[step.mask_rows] = False
-        mask_embeddings = torch.stack(
-            [self.drafter.mask_embedding(block.req_id) for block in blocks])
-        self.inputs_embeds.gpu[step.mask_rows] = mask_embeddings[
-            step.mask_row_blocks].to(self.inputs_embeds.gpu)
-
-        node_rows = torch.split(step.node_rows,
-                                [block.layout.num_nodes for block in blocks])
-        logits_indices = self._esp_logits_indices(spec_metadata, blocks, node_rows)
-        self._esp_step = step
-        set_current_step(step)
+            step = self._esp_begin_step(scheduler_output, num_scheduled_tokens)
+            if step is None:
+                return logits_indices, spec_metadata, max_sampled
+            logits_indices = self._esp_logits_indices(spec_metadata, step)
+            self._esp_step = step
+            set_current_step(step)
         return logits_indices, spec_metadata, max_sampled
 
-    def _find_esp_blocks(self, scheduler_output, num_scheduled_tokens):
-        blocks = []
-        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
-            if drafts != self.drafter.pending_drafts(req_id):
-                continue
-            batch_index = self.input_batch.req_id_to_index[req_id]
-            tree = self.drafter.pending_tree(req_id)
-            if num_scheduled_tokens[batch_index] != tree.layout.block_size:
-                continue
-            blocks.append(ESPBlock(
-                req_id=req_id,
-                batch_index=batch_index,
-                row_start=int(self.query_start_loc.np[batch_index]),
-                root_position=int(
-                    self.input_batch.num_computed_tokens_cpu[batch_index]),
-                draft_tree=tree,
-            ))
-        blocks.sort(key=lambda block: block.batch_index)
-        return blocks
+    def _esp_begin_step(self, scheduler_output, num_scheduled_tokens) -> ESPStep | None:
+        drafter = self.drafter
+        batch_indices, slots = drafter.matching_blocks(
+            self.input_batch.req_ids, scheduler_output.scheduled_spec_decode_tokens)
+        if batch_indices.size == 0:
+            return None
+        pending = drafter.pending
+        trees = TreeBatch(pending.parents[slots], pending.tokens[slots],
+                          pending.masked[slots], pending.num_nodes[slots],
+                          pending.num_mask_tokens)
+        # The scheduler may cut a block short of its rows (token budget,
+        # max_model_len); the runner only sees whole blocks here, because the
+        # drafts matched, but checks the row count all the same.
+        whole = num_scheduled_tokens[batch_indices] == trees.block_sizes()
+        if not whole.all():
+            batch_indices, slots = batch_indices[whole], slots[whole]
+            trees = TreeBatch(trees.parents[whole], trees.tokens[whole],
+                              trees.masked[whole], trees.num_nodes[whole],
+                              trees.num_mask_tokens)
+            if batch_indices.size == 0:
+                return None
+        step = ESPStep.build(
+            batch_indices, slots, trees,
+            row_starts=self.query_start_loc.np[batch_indices].astype(np.int64),
+            root_positions=self.input_batch.num_computed_tokens_cpu[
+                batch_indices].astype(np.int64))
+        rows, positions = step.rows()
+        self.positions[torch.from_numpy(rows)] = torch.from_numpy(positions).to(
+            self.positions.dtype)
+        mask_rows, mask_blocks = step.mask_rows()
+        if mask_rows.size:
+            # Mask rows take the request's soft embedding instead of a token's.
+            self.is_token_ids.np[mask_rows] = False
+            mask_rows_t = torch.from_numpy(mask_rows)
+            self.is_token_ids.gpu[mask_rows_t] = False
+            self.inputs_embeds.gpu[mask_rows_t] = drafter.mask_embeddings[
+                torch.from_numpy(slots[mask_blocks])].to(self.inputs_embeds.gpu)
+        return step
 
-    def _esp_logits_indices(self, spec_metadata, blocks, node_rows):
+    def _esp_logits_indices(self, spec_metadata, step: ESPStep) -> torch.Tensor:
         """Logits rows per request: tree nodes for ESP blocks (masks are
         computed later, only for the accepted node), vLLM's rows otherwise.
 
@@ -139,31 +142,21 @@ class ESPModelRunnerMixin:
         structured-output request keeps vLLM's rows (the whole block) for
         every request; tree-node rows come first in a block either way.
         """
-        num_sampled = np.asarray(spec_metadata.num_draft_tokens) + 1
-        ends = np.cumsum(num_sampled)
+        num_sampled = np.asarray(spec_metadata.num_draft_tokens, np.int64) + 1
+        starts = np.cumsum(num_sampled) - num_sampled
+        if self.drafter.structured_in_batch(self.input_batch.req_ids):
+            self._esp_logit_starts = starts
+            return spec_metadata.logits_indices
+        counts = num_sampled.copy()
+        counts[step.batch_indices] = step.trees.num_nodes
+        new_starts = np.cumsum(counts) - counts
+        # Flat position of every kept logits row: vLLM's rows keep their
+        # order; an ESP block keeps its first T rows (its nodes).
+        request = np.repeat(np.arange(counts.shape[0]), counts)
+        within = np.arange(request.shape[0]) - new_starts[request]
         vllm_rows = spec_metadata.logits_indices
-        if self._batch_has_structured_output():
-            self._esp_logit_spans = [(int(end - n), int(n))
-                                     for end, n in zip(ends, num_sampled)]
-            return vllm_rows
-        esp_rows = {b.batch_index: rows for b, rows in zip(blocks, node_rows)}
-        segments, spans, start = [], [], 0
-        for index, end in enumerate(ends):
-            rows = esp_rows.get(index)
-            if rows is None:
-                rows = vllm_rows[end - num_sampled[index]:end]
-            rows = rows.to(vllm_rows)
-            segments.append(rows)
-            spans.append((start, rows.numel()))
-            start += rows.numel()
-        self._esp_logit_spans = spans
-        return torch.cat(segments)
-
-    def _batch_has_structured_output(self) -> bool:
-        from vllm_esp.proposer import has_structured_output
-
-        return any(has_structured_output(self.requests[req_id])
-                   for req_id in self.input_batch.req_ids)
+        self._esp_logit_starts = new_starts
+        return vllm_rows[torch.from_numpy(starts[request] + within)]
 
     # --------------------------------------------------------------- forward
     def execute_model(self, scheduler_output, intermediate_tensors=None):
@@ -183,37 +176,22 @@ class ESPModelRunnerMixin:
         if step is None:
             return super()._sample(logits, spec_decode_metadata)
         self._esp_step = None
-
         with scope("esp: verify"):
-            return self._esp_sample(step, logits, spec_decode_metadata)
-
-    def _esp_sample(self, step, logits, spec_decode_metadata):
-        esp_blocks = {block.batch_index: block for block in step.blocks}
-        vllm_drafts = spec_decode_metadata.draft_token_ids
-        vllm_draft_ends = np.cumsum(spec_decode_metadata.num_draft_tokens)
-        compact_rows, chain_drafts, chains = [], [], {}
-        for index, (start, count) in enumerate(self._esp_logit_spans):
-            block = esp_blocks.get(index)
-            if block is None:
-                compact_rows.append(torch.arange(start, start + count))
-                end = int(vllm_draft_ends[index])
-                chain_drafts.append(vllm_drafts[end - (count - 1):end].to(torch.int32))
-                continue
-            node_logits = logits[start:start + block.layout.num_nodes]
-            chain = select_chain(block.draft_tree, node_logits)
-            chains[index] = chain
-            compact_rows.append(start + chain)
-            chain_drafts.append(block.draft_tree.tokens[chain[1:]].to(torch.int32))
-
-        compact_logits = logits[torch.cat(compact_rows).to(logits.device)]
-        chain_metadata = chain_spec_decode_metadata(chain_drafts, logits.device)
-        sampling_metadata = self.input_batch.sampling_metadata
-        if sampling_metadata.spec_token_ids is not None:
-            # Penalties and bad words must see the chain being verified, not
-            # the block's slots.
-            sampling_metadata = dataclasses.replace(
-                sampling_metadata,
-                spec_token_ids=[d.tolist() for d in chain_drafts])
+            chains, lengths = self._esp_select_chains(step, logits)
+            compact_rows, chain_drafts, num_drafts = self._esp_chain_rows(
+                step, spec_decode_metadata, chains, lengths)
+            compact_logits = logits[compact_rows]
+            chain_metadata = chain_spec_decode_metadata(chain_drafts, num_drafts,
+                                                        logits.device)
+            sampling_metadata = self.input_batch.sampling_metadata
+            if sampling_metadata.spec_token_ids is not None:
+                # Penalties and bad words must see the chain being verified,
+                # not the block's slots.
+                ends = np.cumsum(num_drafts)
+                flat = chain_drafts.tolist()
+                sampling_metadata = dataclasses.replace(
+                    sampling_metadata,
+                    spec_token_ids=[flat[e - n:e] for e, n in zip(ends, num_drafts)])
         with scope("esp: sampler"):
             sampler_output = self.rejection_sampler(
                 chain_metadata, None, compact_logits, sampling_metadata)
@@ -221,47 +199,98 @@ class ESPModelRunnerMixin:
             self._esp_after_verification(step, chains, sampler_output)
         return sampler_output
 
-    def _esp_after_verification(self, step, chains, sampler_output) -> None:
-        num_emitted = (sampler_output.sampled_token_ids >= 0).sum(dim=1).cpu()
-        moved_sources, moved_rows, probe_rows, probe_blocks = [], [], [], []
-        for block_number, block in enumerate(step.blocks):
-            chain = chains[block.batch_index]
-            num_accepted = int(num_emitted[block.batch_index]) - 1
-            accepted_path = chain[:num_accepted + 1]
-            depths = torch.arange(accepted_path.numel())
-            # Node at depth d must end up in the d-th slot after the root.
-            moved = accepted_path != depths
-            moved_sources.append(block.row_start + accepted_path[moved])
-            moved_rows.append(block.row_start + depths[moved])
-            last_node = int(accepted_path[-1])
-            # A hybrid tree carries masks only on some nodes; when the last
-            # accepted node has none, the next tree is built without ESP
-            # candidates (prompt lookup, or the placeholder tree).
-            if block.layout.has_masks[last_node]:
-                probe_rows.append(block.row_start + block.layout.mask_rows[last_node])
-                probe_blocks.append(block)
-        with scope("esp: relocate kv"):
-            self._relocate_kv(step, torch.cat(moved_sources), torch.cat(moved_rows))
+    def _esp_select_chains(self, step: ESPStep, logits: torch.Tensor):
+        """Chain reduction of every block: each node's score is its token's
+        logit at its parent's row."""
+        trees = step.trees
+        width = trees.parents.shape[1]
+        block_starts = self._esp_logit_starts[step.batch_indices]
+        valid = np.arange(width)[None, :] < trees.num_nodes[:, None]
+        valid[:, 0] = False  # the root has no parent
+        block, node = np.nonzero(valid)
+        parent_rows = block_starts[block] + trees.parents[block, node]
+        scores = np.full((step.num_blocks, width), -np.inf, np.float32)
+        scores[block, node] = logits[torch.from_numpy(parent_rows),
+                                     torch.from_numpy(trees.tokens[block, node])
+                                     ].float().cpu().numpy()
+        return select_chains(trees, scores)
 
-        k = self.esp_config.masks_per_node
-        if k == 0 or not probe_rows:  # no mask rows to probe
+    def _esp_chain_rows(self, step: ESPStep, spec_metadata, chains, lengths):
+        """Compact logits rows (consecutive per request, as vLLM's logprobs
+        code expects) and chain drafts: the ESP blocks' chains, every other
+        request's own rows and drafts."""
+        num_requests = self._esp_logit_starts.shape[0]
+        vllm_drafts = np.asarray(spec_metadata.num_draft_tokens, np.int64)
+        num_drafts = vllm_drafts.copy()
+        num_drafts[step.batch_indices] = lengths - 1
+        counts = num_drafts + 1
+        request = np.repeat(np.arange(num_requests), counts)
+        within = np.arange(request.shape[0]) - np.repeat(np.cumsum(counts) - counts,
+                                                         counts)
+        is_block = np.zeros(num_requests, np.bool_)
+        is_block[step.batch_indices] = True
+        block_of = np.full(num_requests, -1, np.int64)
+        block_of[step.batch_indices] = np.arange(step.num_blocks)
+        node = np.where(is_block[request], chains[block_of[request].clip(0),
+                                                  within.clip(0, chains.shape[1] - 1)],
+                        within)
+        rows = self._esp_logit_starts[request] + node
+        # Drafts: chain nodes' tokens for blocks, vLLM's drafts otherwise.
+        draft_request = np.repeat(np.arange(num_requests), num_drafts)
+        draft_within = np.arange(draft_request.shape[0]) - np.repeat(
+            np.cumsum(num_drafts) - num_drafts, num_drafts)
+        vllm_draft_starts = np.cumsum(vllm_drafts) - vllm_drafts
+        vllm_tokens = spec_metadata.draft_token_ids.cpu().numpy()
+        draft_block = block_of[draft_request]
+        chain_nodes = chains[draft_block.clip(0), (draft_within + 1).clip(
+            0, chains.shape[1] - 1)]
+        tokens = np.where(
+            draft_block >= 0,
+            step.trees.tokens[draft_block.clip(0), chain_nodes],
+            vllm_tokens[(vllm_draft_starts[draft_request] + draft_within).clip(
+                0, max(vllm_tokens.shape[0] - 1, 0))] if vllm_tokens.size else 0)
+        return (torch.from_numpy(rows), torch.from_numpy(tokens.astype(np.int32)),
+                num_drafts)
+
+    def _esp_after_verification(self, step: ESPStep, chains, sampler_output) -> None:
+        num_emitted = (sampler_output.sampled_token_ids >= 0).sum(dim=1).cpu().numpy()
+        accepted = num_emitted[step.batch_indices] - 1  # drafts accepted per block
+        depth = np.arange(chains.shape[1])
+        # Node at depth d of the accepted path moves to the d-th slot after
+        # the root (nothing to do where it already is).
+        moves = (depth[None, :] <= accepted[:, None]) & (chains != depth[None, :])
+        block, moved_depth = np.nonzero(moves)
+        with scope("esp: relocate kv"):
+            self._relocate_kv(step, step.row_starts[block] + chains[block, moved_depth],
+                              step.row_starts[block] + moved_depth)
+        last_node = chains[np.arange(step.num_blocks), accepted]
+        k = self.drafter.num_mask_tokens
+        if k == 0:
+            return
+        probe_rows = step.layouts.mask_rows[np.arange(step.num_blocks), last_node, :k]
+        probed = probe_rows[:, 0] >= 0
+        if not probed.any():
             return
         with scope("esp: mask probe"):
-            hidden_states = step.hidden_states[torch.cat(probe_rows).to(
-                step.hidden_states.device)]
-            mask_logits = self.model.compute_logits(hidden_states)
-            for block_number, block in enumerate(probe_blocks):
-                self.drafter.mask_logits[block.req_id] = mask_logits[
-                    block_number * k:(block_number + 1) * k].cpu()
+            rows = (step.row_starts[probed, None] + probe_rows[probed]).reshape(-1)
+            mask_logits = self.model.compute_logits(
+                step.hidden_states[torch.from_numpy(rows)])
+            tokens, log_probs = mask_candidates(
+                mask_logits.view(-1, k, mask_logits.shape[-1]),
+                self.drafter.candidate_width)
+            self.drafter.set_candidates(step.slots[probed], tokens, log_probs)
 
-    def _relocate_kv(self, step, source_rows, destination_rows) -> None:
+    def _relocate_kv(self, step: ESPStep, source_rows: np.ndarray,
+                     destination_rows: np.ndarray) -> None:
         """Copy accepted nodes' K/V from their block rows' slots to the
         slots right after the root, in every layer's cache. Nodes were
         computed at their final positions, so a copy is exact. Moves are in
         increasing destination order per block, so no source is overwritten
         before it is read (a source row is never before its destination)."""
-        if source_rows.numel() == 0:
+        if source_rows.size == 0:
             return
+        source_rows = torch.from_numpy(source_rows)
+        destination_rows = torch.from_numpy(destination_rows)
         layers = self.compilation_config.static_forward_context
         # Layers of one KV-cache group share one slot mapping.
         groups: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
@@ -272,25 +301,36 @@ class ESPModelRunnerMixin:
             torch.ops.vllm_esp.copy_slots(caches, slot_mapping[source_rows].long(),
                                           slot_mapping[destination_rows].long())
 
+    # ------------------------------------------------------------- scheduler
+    def take_draft_token_ids(self):
+        drafts = super().take_draft_token_ids()
+        if drafts is None:
+            return None
+        return ESPDraftTokenIds(drafts.req_ids, drafts.draft_token_ids,
+                                self.drafter.tree_node_counts(drafts.req_ids,
+                                                              drafts.draft_token_ids))
 
-def chain_spec_decode_metadata(chain_drafts: list[torch.Tensor],
+
+def chain_spec_decode_metadata(chain_drafts: torch.Tensor, num_drafts: np.ndarray,
                                device: torch.device) -> SpecDecodeMetadata:
     """vLLM chain metadata over a compact logits tensor in which request i
-    owns ``len(chain_drafts[i]) + 1`` consecutive rows (drafts, then bonus).
+    owns ``num_drafts[i] + 1`` consecutive rows (drafts, then bonus).
     Consecutive rows per request are what vLLM's logprobs code expects."""
-    num_draft_tokens = [int(d.numel()) for d in chain_drafts]
-    num_sampled = np.asarray(num_draft_tokens, dtype=np.int64) + 1
+    num_sampled = num_drafts + 1
     cu_num_sampled = np.cumsum(num_sampled)
     sampled_starts = cu_num_sampled - num_sampled
-    target_logits_indices = np.concatenate(
-        [start + np.arange(n) for start, n in zip(sampled_starts, num_draft_tokens)]
-        or [np.zeros(0, dtype=np.int64)])
-    to_device = lambda array: torch.as_tensor(array, dtype=torch.int32,
-                                              device=device)
+    draft_request = np.repeat(np.arange(num_drafts.shape[0]), num_drafts)
+    target_logits_indices = (sampled_starts[draft_request] + np.arange(
+        draft_request.shape[0]) - np.repeat(np.cumsum(num_drafts) - num_drafts,
+                                            num_drafts))
+
+    def to_device(array):
+        return torch.as_tensor(array, dtype=torch.int32, device=device)
+
     return SpecDecodeMetadata(
-        draft_token_ids=torch.cat(chain_drafts).to(device=device, dtype=torch.int32),
-        num_draft_tokens=num_draft_tokens,
-        cu_num_draft_tokens=to_device(np.cumsum(num_draft_tokens)),
+        draft_token_ids=chain_drafts.to(device=device, dtype=torch.int32),
+        num_draft_tokens=num_drafts.tolist(),
+        cu_num_draft_tokens=to_device(np.cumsum(num_drafts)),
         cu_num_sampled_tokens=to_device(cu_num_sampled),
         target_logits_indices=to_device(target_logits_indices),
         bonus_logits_indices=to_device(cu_num_sampled - 1),

@@ -1,20 +1,20 @@
 """ESP scheduler: vLLM's scheduler with spec-decode metrics in tree nodes.
 
 ESP reserves its whole verification block as draft slots: ``Q - 1`` of them,
-``n`` tree nodes plus ``k * (n + 1)`` mask slots. vLLM's scheduler needs that
-count for KV allocation and rollback, which this class leaves untouched. Its
-metrics would then report mask slots as proposed draft tokens and deflate the
-acceptance rate, so only the *reported* count is mapped back to tree nodes:
+``n`` tree nodes plus ``k`` mask slots per masked node. vLLM's scheduler
+needs that count for KV allocation and rollback, which this class leaves
+untouched. Its metrics would then report mask slots as proposed draft tokens
+and deflate the acceptance rate, so only the *reported* count is mapped back
+to tree nodes:
 
     num_drafts          = verification steps
     num_draft_tokens    = tree nodes proposed (masks excluded)
     num_accepted_tokens = accepted nodes
 
 and vLLM's mean acceptance length (1 + accepted / drafts) equals ESP's tau.
-The node count is read off each step's scheduled draft list
-(``tree_node_count``), so hybrid trees of any size are counted right. Blocks
-that fell back to a plain chain (truncated by the scheduler) are reported as
-they are.
+The runner tells the scheduler how many of each request's drafts are tree
+nodes (``ESPDraftTokenIds``). A block the scheduler then truncates (token
+budget, ``max_model_len``) is verified as a plain chain and reported as one.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
 
-from vllm_esp.proposer import esp_config_from_vllm, tree_node_count
+from vllm_esp.proposer import ESPDraftTokenIds
 
 
 @dataclass
@@ -44,18 +44,34 @@ class ESPRequestSpecDecodeMetrics(RequestSpecDecodeMetrics):
 
 
 class ESPScheduler(Scheduler):
-    def __init__(self, vllm_config, *args, **kwargs) -> None:
-        super().__init__(vllm_config, *args, **kwargs)
-        self._esp_masks_per_node = esp_config_from_vllm(vllm_config).masks_per_node
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # req_id -> (draft slots, tree nodes) of the block proposed last.
+        self._esp_blocks: dict[str, tuple[int, int]] = {}
         # req_id -> (scheduled draft slots, tree nodes) for the step being
         # processed by update_from_output.
         self._esp_step_counts: dict[str, tuple[int, int]] = {}
 
+    def update_draft_token_ids(self, draft_token_ids) -> None:
+        super().update_draft_token_ids(draft_token_ids)
+        if not isinstance(draft_token_ids, ESPDraftTokenIds) or draft_token_ids.tree_nodes is None:
+            return
+        blocks = self._esp_blocks
+        for req_id, drafts, nodes in zip(draft_token_ids.req_ids,
+                                         draft_token_ids.draft_token_ids,
+                                         draft_token_ids.tree_nodes):
+            if nodes >= 0:
+                blocks[req_id] = (len(drafts), nodes)
+            else:
+                blocks.pop(req_id, None)
+
     def update_from_output(self, scheduler_output, model_runner_output):
         counts = {}
+        blocks = self._esp_blocks
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
-            counts[req_id] = (len(drafts),
-                              tree_node_count(drafts, self._esp_masks_per_node))
+            slots, nodes = blocks.pop(req_id, (-1, -1))
+            # A whole block counts its nodes; a truncated one, every slot.
+            counts[req_id] = (len(drafts), nodes if slots == len(drafts) else len(drafts))
             request = self.requests.get(req_id)
             metrics = None if request is None else request.spec_decode_metrics
             if metrics is None:
@@ -69,6 +85,8 @@ class ESPScheduler(Scheduler):
                     per_step_drafted=metrics.per_step_drafted,
                 )
             metrics.esp_step_slots, metrics.esp_step_nodes = counts[req_id]
+        for req_id in scheduler_output.finished_req_ids:
+            blocks.pop(req_id, None)
         self._esp_step_counts = counts
         try:
             return super().update_from_output(scheduler_output, model_runner_output)

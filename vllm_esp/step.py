@@ -1,107 +1,92 @@
-"""The per-step hand-off between the ESP model runner and its attention impl.
+"""One step's ESP blocks: the hand-off between the model runner, its
+attention backend and the verification.
 
 vLLM's attention layers only receive backend metadata, which has no slot for
-a tree mask. The runner therefore publishes the current step's ESP blocks
-here before the forward, and the attention impl reads them. The context is
-process-local (every TP rank builds the same one) and is cleared when the
-step's verification is done. CPU attention is an opaque custom op, so this
-Python side channel runs even when the model is compiled.
+a tree mask. The runner therefore publishes the current step's blocks here
+before the forward, and the attention metadata builder reads them. The
+context is process-local (every TP rank builds the same one) and is cleared
+when the forward is done.
+
+Everything is built once per step from arrays, for all blocks at once
+(``core.batch``): the blocks' trees and layouts, their flat rows in the
+step's batch, and the tensors the tree-attention kernel takes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from vllm_esp.core.proposal import DraftTree
-from vllm_esp.core.tree import BlockLayout
-
-
-@dataclass
-class ESPBlock:
-    """One request's verification block inside this step's flat batch."""
-
-    req_id: str
-    batch_index: int  # row of the request in input_batch / block_table
-    row_start: int  # first flat token row of the block (the root)
-    root_position: int  # p: position of the root
-    draft_tree: DraftTree
-
-    @property
-    def layout(self) -> BlockLayout:
-        return self.draft_tree.layout
+from vllm_esp.core.batch import BlockLayouts, TreeBatch, block_layouts
 
 
 @dataclass
 class ESPStep:
-    """Everything the attention impl and the sampler need about this step's
-    ESP blocks, built once per step (not per layer)."""
+    """The ESP blocks of one step, in batch order."""
 
-    blocks: list[ESPBlock]
-    # [B, Qmax] flat token rows of each block (padded with the block's first
-    # row), [B, Qmax] which of them are real, [B] root positions,
-    # [B, Qmax, Qmax] tree masks and [B, Qmax] position offsets (padded).
-    query_rows: torch.Tensor
-    query_valid: torch.Tensor
-    root_positions: torch.Tensor
+    batch_indices: np.ndarray  # [B] rows in vLLM's input batch (ascending)
+    slots: np.ndarray          # [B] the requests' ESP state slots
+    trees: TreeBatch           # [B] their draft trees
+    layouts: BlockLayouts      # [B] their block layouts
+    row_starts: np.ndarray     # [B] flat row of each block's root
+    root_positions: np.ndarray  # [B] position of each root
+    # For the tree-attention kernel (int32 / bool, CPU).
+    num_rows: torch.Tensor
     tree_masks: torch.Tensor
     position_offsets: torch.Tensor
-    # Flat rows of every mask token, and the block each belongs to.
-    mask_rows: torch.Tensor
-    mask_row_blocks: torch.Tensor
-    # Flat rows of every tree node of every block, block after block.
-    node_rows: torch.Tensor
-    # Offset of each block's nodes inside node_rows.
-    node_row_offsets: list[int]
-    # For the tree-attention kernel: batch index of each block (ascending,
-    # int64) and its rows Q (int32).
-    batch_indices: torch.Tensor
-    num_rows: torch.Tensor
     # Filled after the forward.
     hidden_states: torch.Tensor | None = None
     slot_mappings: dict[str, torch.Tensor] | None = None
 
     @classmethod
-    def build(cls, blocks: list[ESPBlock]) -> "ESPStep":
-        num_blocks = len(blocks)
-        max_rows = max(block.layout.block_size for block in blocks)
-        query_rows = torch.zeros(num_blocks, max_rows, dtype=torch.long)
-        query_valid = torch.zeros(num_blocks, max_rows, dtype=torch.bool)
-        tree_masks = torch.zeros(num_blocks, max_rows, max_rows, dtype=torch.bool)
-        position_offsets = torch.zeros(num_blocks, max_rows, dtype=torch.long)
-        node_rows, mask_rows, mask_row_blocks = [], [], []
-        for index, block in enumerate(blocks):
-            layout = block.layout
-            size = layout.block_size
-            query_rows[index] = block.row_start
-            query_rows[index, :size] += torch.arange(size)
-            query_valid[index, :size] = True
-            tree_masks[index, :size, :size] = layout.attention_mask
-            # Padding rows attend to themselves only, so softmax stays finite.
-            tree_masks[index, size:, size:] = torch.eye(max_rows - size, dtype=torch.bool)
-            position_offsets[index, :size] = layout.position_offsets
-            node_rows.append(block.row_start + layout.node_rows)
-            block_mask_rows = block.row_start + layout.mask_rows[layout.has_masks].reshape(-1)
-            mask_rows.append(block_mask_rows)
-            mask_row_blocks.append(torch.full_like(block_mask_rows, index))
-        offsets = [0]
-        for block in blocks[:-1]:
-            offsets.append(offsets[-1] + block.layout.num_nodes)
+    def build(cls, batch_indices: np.ndarray, slots: np.ndarray, trees: TreeBatch,
+              row_starts: np.ndarray, root_positions: np.ndarray) -> "ESPStep":
+        layouts = block_layouts(trees)
         return cls(
-            blocks=blocks,
-            query_rows=query_rows,
-            query_valid=query_valid,
-            root_positions=torch.tensor([b.root_position for b in blocks]),
-            tree_masks=tree_masks,
-            position_offsets=position_offsets.to(torch.int32),
-            mask_rows=torch.cat(mask_rows),
-            mask_row_blocks=torch.cat(mask_row_blocks),
-            node_rows=torch.cat(node_rows),
-            node_row_offsets=offsets,
-            batch_indices=torch.tensor([b.batch_index for b in blocks]),
-            num_rows=torch.tensor([b.layout.block_size for b in blocks], dtype=torch.int32),
+            batch_indices=batch_indices,
+            slots=slots,
+            trees=trees,
+            layouts=layouts,
+            row_starts=row_starts,
+            root_positions=root_positions,
+            num_rows=torch.from_numpy(layouts.num_rows),
+            tree_masks=torch.from_numpy(layouts.attention_masks),
+            position_offsets=torch.from_numpy(layouts.position_offsets),
         )
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.batch_indices.shape[0])
+
+    def rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Flat rows of every block row and their positions (block after block)."""
+        num_rows = self.layouts.num_rows.astype(np.int64)
+        block = np.repeat(np.arange(self.num_blocks), num_rows)
+        within = np.arange(block.shape[0]) - np.repeat(np.cumsum(num_rows) - num_rows,
+                                                       num_rows)
+        rows = self.row_starts[block] + within
+        positions = (self.root_positions[block]
+                     + self.layouts.position_offsets[block, within])
+        return rows, positions
+
+    def mask_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Flat rows of every mask row and the block each belongs to."""
+        num_nodes = self.trees.num_nodes
+        block, within = np.nonzero(
+            np.arange(self.layouts.position_offsets.shape[1])[None, :] >= num_nodes[:, None])
+        inside = within < self.layouts.num_rows[block]
+        block, within = block[inside], within[inside]
+        return self.row_starts[block] + within, block
+
+    def node_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Flat rows of every tree node and the block each belongs to."""
+        num_nodes = self.trees.num_nodes
+        block = np.repeat(np.arange(self.num_blocks), num_nodes)
+        within = np.arange(block.shape[0]) - np.repeat(np.cumsum(num_nodes) - num_nodes,
+                                                       num_nodes)
+        return self.row_starts[block] + within, block
 
 
 _current_step: ESPStep | None = None

@@ -52,13 +52,17 @@ def _cpu_runner_class(runner_cls):
 class ESPCPUWorker(CPUWorker):
     def __init__(self, *args, **kwargs) -> None:
         check_vllm_version()
-        register_tree_attention()
-        super().__init__(*args, **kwargs)
         from vllm_esp import cpu_kernels
 
         # vLLM's platform overrides are installed before the worker is
-        # built, so this replaces its broken expand kernel (see module doc).
+        # built, so this replaces its broken expand kernel (see
+        # vllm_esp/cpu_kernels.py). It must run before anything imports
+        # numba: vLLM's kernel registry scans every loaded module and trips
+        # over llvmlite's ``lib`` object (AttributeError: '_lib_fn_wrapper'
+        # object has no attribute 'get').
         cpu_kernels.register()
+        register_tree_attention()
+        super().__init__(*args, **kwargs)
 
     def init_device(self) -> None:
         if self.use_v2_model_runner:

@@ -64,10 +64,11 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from numba import njit
 
 from vllm_esp.core.proposal import (DraftTree, ScoredCandidates,
-                                    esp_candidates, select_tree,
-                                    tree_from_candidates)
+                                    esp_candidates_kernel, mask_candidates,
+                                    select_tree, tree_from_candidates)
 
 __all__ = [
     "LOOKUP_MAX_NGRAM",
@@ -106,9 +107,178 @@ LOOKUP_MAX_CHAINS = 3
 MASK_VALUE = 0.1
 
 
-def _lookup_accept(match_length: np.ndarray, table: Sequence[float]) -> np.ndarray:
-    table = np.asarray(table, dtype=np.float64)
-    return table[np.minimum(match_length, len(table) - 1)]
+
+# ----------------------------------------------------------- compiled core
+# Functions of one request's arrays (vllm_esp.core.batch runs them over a
+# batch); the wrappers below serve one request.
+
+@njit(cache=True)
+def ngram_matches_kernel(history, max_ngram, min_ngram, starts):
+    """The longest suffix n-gram of ``history`` (``max_ngram`` down to
+    ``min_ngram``) with an earlier occurrence followed by at least one
+    token. Writes where each occurrence's continuation starts into
+    ``starts`` (ascending: the most recent last); returns ``(n, count)``,
+    ``(0, 0)`` if none."""
+    size = history.shape[0]
+    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
+        count = 0
+        for start in range(size - n):
+            same = True
+            for j in range(n):
+                if history[start + j] != history[size - n + j]:
+                    same = False
+                    break
+            if same:
+                starts[count] = start + n
+                count += 1
+        if count > 0:
+            return n, count
+    return 0, 0
+
+
+@njit(cache=True)
+def lookup_chains_kernel(history, node_budget, max_chains, max_ngram, min_ngram,
+                         lookup_accept, chain_tokens, chain_scores, chain_lengths):
+    """Prompt-lookup chains into ``chain_tokens/chain_scores`` (rows of
+    ``node_budget``; the root excluded): the continuations of the longest
+    matching n-gram's occurrences, most recent first, one per distinct first
+    token, at most ``max_chains``. Node ``d`` of a chain scores
+    ``sum_{j <= d} log q(n + j - 1) + log f_d`` (see the module docstring).
+    Returns the number of chains."""
+    size = history.shape[0]
+    starts = np.empty(max(size, 1), np.int64)
+    match_length, num_matches = ngram_matches_kernel(history, max_ngram, min_ngram, starts)
+    if num_matches == 0:
+        return 0
+    num_chains = 0
+    table_size = lookup_accept.shape[0]
+    for occurrence in range(num_matches - 1, -1, -1):
+        if num_chains == max_chains:
+            break
+        start = starts[occurrence]
+        length = min(node_budget, size - start)
+        first = history[start]
+        seen = False
+        for c in range(num_chains):
+            if chain_tokens[c, 0] == first:
+                seen = True
+        if seen:
+            continue
+        log_accept = 0.0
+        for d in range(length):
+            # Share of all occurrences whose continuation agrees up to d.
+            agree = 0
+            for other in range(num_matches):
+                same = True
+                for j in range(d + 1):
+                    position = starts[other] + j
+                    if position >= size or history[position] != history[start + j]:
+                        same = False
+                        break
+                if same:
+                    agree += 1
+            log_accept += math.log(lookup_accept[min(match_length + d, table_size - 1)])
+            chain_tokens[num_chains, d] = history[start + d]
+            chain_scores[num_chains, d] = np.float32(
+                log_accept + math.log(agree / num_matches))
+        chain_lengths[num_chains] = length
+        num_chains += 1
+    return num_chains
+
+
+@njit(cache=True)
+def merge_chain_kernel(parents, tokens, scores, depths, count, chain_tokens,
+                       chain_scores, chain_length):
+    """Hang a chain (tokens/scores of depths 1..L under the root) into the
+    candidates, sharing the prefix they have in common; a shared node keeps
+    the larger score. Appends the rest; returns the new count."""
+    max_depth = 0
+    for i in range(count):
+        max_depth = max(max_depth, depths[i])
+    attach = 0
+    depth = 1
+    while depth <= min(chain_length, max_depth):
+        hit = -1
+        for i in range(count):
+            if parents[i] == attach and tokens[i] == chain_tokens[depth - 1]:
+                hit = i
+                break
+        if hit < 0:
+            break
+        attach = hit
+        scores[attach] = max(scores[attach], chain_scores[depth - 1])
+        depth += 1
+    for d in range(depth, chain_length + 1):
+        parents[count] = attach
+        tokens[count] = chain_tokens[d - 1]
+        scores[count] = chain_scores[d - 1]
+        depths[count] = d
+        attach = count
+        count += 1
+    return count
+
+
+@njit(cache=True)
+def allocate_kernel(parents, scores, depths, count, block_size, num_mask_tokens,
+                    mask_value, kept, masked):
+    """Greedy row allocation (see ``allocate_block``). Writes the kept
+    candidates in the order added into ``kept`` and the mask flags into
+    ``masked``; returns how many were kept."""
+    reach = np.exp(scores[:count].astype(np.float64))
+    reach[0] = 1.0
+    # Ties: higher score, then smaller depth, then creation order.
+    rank = np.empty(count, np.int64)
+    by_index = np.arange(count)
+    order = by_index[np.argsort(depths[:count], kind="mergesort")]
+    order = order[np.argsort(-reach[order], kind="mergesort")]
+    for position in range(count):
+        rank[order[position]] = position
+    is_kept = np.zeros(count, np.bool_)
+    child_reach = np.zeros(count)
+    for i in range(count):
+        masked[i] = False
+    is_kept[0] = True
+    kept[0] = 0
+    num_kept = 1
+    rows = 1
+    k = num_mask_tokens
+    while rows < block_size:
+        best_node = -1
+        best_gain = -np.inf
+        for c in range(1, count):
+            if is_kept[c] or not is_kept[parents[c]]:
+                continue
+            gain = reach[c] * (1.0 - mask_value * masked[parents[c]])
+            if best_node < 0 or gain > best_gain or (gain == best_gain
+                                                    and rank[c] < rank[best_node]):
+                best_node = c
+                best_gain = gain
+        best_mask = -1
+        best_mask_gain = -np.inf
+        if k > 0 and rows + k <= block_size:
+            for c in range(count):
+                if is_kept[c] and not masked[c]:
+                    gain = mask_value * max(reach[c] - child_reach[c], 0.0) / k
+                    if best_mask < 0 or gain > best_mask_gain:
+                        best_mask = c
+                        best_mask_gain = gain
+        if best_node < 0 and best_mask < 0:
+            break
+        if best_mask >= 0 and (best_node < 0 or best_mask_gain > best_gain):
+            masked[best_mask] = True
+            rows += k
+        else:
+            is_kept[best_node] = True
+            kept[num_kept] = best_node
+            num_kept += 1
+            child_reach[parents[best_node]] += reach[best_node]
+            rows += 1
+    return num_kept
+
+
+# ------------------------------------------------------------- one request
+def _lookup_accept(table: Sequence[float]) -> np.ndarray:
+    return np.asarray(table, dtype=np.float64)
 
 
 def find_ngram_matches(token_ids: np.ndarray, max_ngram: int,
@@ -116,16 +286,10 @@ def find_ngram_matches(token_ids: np.ndarray, max_ngram: int,
     """The longest suffix n-gram (``max_ngram`` down to ``min_ngram``) that
     occurred before, and where each earlier occurrence's continuation starts
     (ascending, so the most recent is last). ``(0, [])`` if none."""
-    num_tokens = token_ids.shape[0]
-    for n in range(min(max_ngram, num_tokens - 1), min_ngram - 1, -1):
-        suffix = token_ids[num_tokens - n:]
-        # Windows starting at 0 .. num_tokens - n - 1: all earlier occurrences,
-        # each followed by at least one token. One vectorised compare per n.
-        windows = np.lib.stride_tricks.sliding_window_view(token_ids[:-1], n)
-        matches = np.flatnonzero((windows == suffix).all(axis=1))
-        if matches.size:
-            return n, matches + n
-    return 0, np.zeros(0, dtype=np.int64)
+    history = np.asarray(token_ids, dtype=np.int64)
+    starts = np.empty(max(history.shape[0], 1), np.int64)
+    n, count = ngram_matches_kernel(history, max_ngram, min_ngram, starts)
+    return n, starts[:count].copy()
 
 
 def lookup_chains(token_ids: np.ndarray, node_budget: int, max_chains: int = 1,
@@ -136,33 +300,23 @@ def lookup_chains(token_ids: np.ndarray, node_budget: int, max_chains: int = 1,
     """Prompt-lookup chains as scored candidates (each root first): the
     continuations of the longest matching n-gram's occurrences, most recent
     first, one per distinct first token, at most ``max_chains``."""
-    match_length, starts = find_ngram_matches(token_ids, max_ngram, min_ngram)
-    if starts.size == 0:
-        return []
-    num_tokens = token_ids.shape[0]
-    length_cap = int(node_budget)
-    # Continuations of every occurrence, padded with -1 past the history.
-    offsets = starts[:, None] + np.arange(length_cap)[None, :]
-    continuations = np.where(offsets < num_tokens,
-                             token_ids[np.minimum(offsets, num_tokens - 1)], -1)
-    root = int(token_ids[-1])
-    chains, first_tokens = [], set()
-    for occurrence in range(starts.size - 1, -1, -1):
-        if len(chains) == max_chains:
-            break
-        chain = continuations[occurrence]
-        chain = chain[:int(np.argmax(chain < 0))] if (chain < 0).any() else chain
-        if int(chain[0]) in first_tokens:
-            continue
-        first_tokens.add(int(chain[0]))
-        length = chain.shape[0]
-        agree = np.cumprod(continuations[:, :length] == chain[None, :], axis=1).mean(axis=0)
-        accept = _lookup_accept(match_length + np.arange(length), lookup_accept)
-        scores = np.cumsum(np.log(accept)) + np.log(agree)
+    history = np.asarray(token_ids, dtype=np.int64)
+    budget = int(node_budget)
+    chain_tokens = np.empty((max_chains, budget), np.int64)
+    chain_scores = np.empty((max_chains, budget), np.float32)
+    chain_lengths = np.empty(max_chains, np.int64)
+    num_chains = lookup_chains_kernel(history, budget, max_chains, max_ngram, min_ngram,
+                                      _lookup_accept(lookup_accept), chain_tokens,
+                                      chain_scores, chain_lengths)
+    root = int(history[-1])
+    chains = []
+    for c in range(num_chains):
+        length = int(chain_lengths[c])
         chains.append(ScoredCandidates(
             parents=torch.arange(-1, length, dtype=torch.long),
-            tokens=torch.from_numpy(np.concatenate([[root], chain]).astype(np.int64)),
-            scores=torch.from_numpy(np.concatenate([[0.0], scores]).astype(np.float32)),
+            tokens=torch.from_numpy(np.concatenate([[root], chain_tokens[c, :length]])),
+            scores=torch.from_numpy(np.concatenate(
+                [np.zeros(1, np.float32), chain_scores[c, :length]])),
             depths=torch.arange(length + 1, dtype=torch.long),
         ))
     return chains
@@ -181,33 +335,13 @@ def lookup_candidates(token_ids: np.ndarray, node_budget: int,
 def merge_candidates(tree: ScoredCandidates, chain: ScoredCandidates) -> ScoredCandidates:
     """Hang ``chain`` (a root-first chain) into ``tree``, sharing the prefix
     they have in common; a shared node keeps the larger of the two scores."""
-    parents, tokens = tree.parents, tree.tokens
-    scores = tree.scores.clone()
-    attach = 0  # node of `tree` the rest of the chain hangs below
-    depth = 1
-    max_depth = int(tree.depths.max())
-    chain_length = chain.num_candidates - 1
-    # At most the tree's depth: k levels for ESP candidates, more once an
-    # earlier chain was merged in (B <= 64).
-    while depth <= min(chain_length, max_depth):
-        hit = torch.nonzero((parents == attach) & (tokens == chain.tokens[depth]))
-        if hit.numel() == 0:
-            break
-        attach = int(hit[0, 0])
-        scores[attach] = torch.maximum(scores[attach], chain.scores[depth])
-        depth += 1
-    rest = chain_length - depth + 1
-    if rest <= 0:
-        return ScoredCandidates(parents, tokens, scores, tree.depths)
-    first_new = tree.num_candidates
-    new_parents = torch.arange(first_new - 1, first_new - 1 + rest, dtype=torch.long)
-    new_parents[0] = attach
-    return ScoredCandidates(
-        parents=torch.cat([parents, new_parents]),
-        tokens=torch.cat([tokens, chain.tokens[depth:]]),
-        scores=torch.cat([scores, chain.scores[depth:]]),
-        depths=torch.cat([tree.depths, chain.depths[depth:]]),
-    )
+    count = tree.num_candidates
+    capacity = count + chain.num_candidates
+    parents, tokens, scores, depths = (np.resize(a, capacity) for a in tree.arrays())
+    _, chain_tokens, chain_scores, _ = chain.arrays()
+    count = merge_chain_kernel(parents, tokens, scores, depths, count, chain_tokens[1:],
+                               chain_scores[1:], chain.num_candidates - 1)
+    return ScoredCandidates.from_arrays(parents, tokens, scores, depths, count)
 
 
 def allocate_block(candidates: ScoredCandidates, block_size: int,
@@ -238,49 +372,13 @@ def allocate_block(candidates: ScoredCandidates, block_size: int,
     ``r = .2`` the root's masks (.3) come first, then the candidate
     (.2 * (1 - .3) = .14), then whatever remains.
     """
-    num_candidates = candidates.num_candidates
-    parents = candidates.parents.numpy()
-    reach = np.exp(candidates.scores.double().numpy())
-    reach[0] = 1.0
-    # Ties: higher score, then smaller depth, then creation order.
-    rank = np.empty(num_candidates, dtype=np.int64)
-    rank[np.lexsort((np.arange(num_candidates), candidates.depths.numpy(), -reach))] = \
-        np.arange(num_candidates)
-    kept = np.zeros(num_candidates, dtype=bool)
-    masked = np.zeros(num_candidates, dtype=bool)
-    child_reach = np.zeros(num_candidates)
-    kept[0] = True
-    order = [0]
-    rows = 1
-    k = num_mask_tokens
-    parent_index = np.maximum(parents, 0)
-    while rows < block_size:
-        addable = ~kept & kept[parent_index]
-        addable[0] = False
-        node_gain = np.where(addable, reach * (1.0 - mask_value * masked[parent_index]),
-                             -np.inf)
-        best_node = -1
-        if addable.any():
-            best = np.flatnonzero(node_gain == node_gain.max())
-            best_node = int(best[np.argmin(rank[best])])
-        best_mask = -1
-        if k and rows + k <= block_size:
-            mask_gain = np.where(kept & ~masked,
-                                 mask_value * np.maximum(reach - child_reach, 0.0) / k,
-                                 -np.inf)
-            if np.isfinite(mask_gain).any():
-                best_mask = int(np.argmax(mask_gain))
-        if best_node < 0 and best_mask < 0:
-            break
-        if best_mask >= 0 and (best_node < 0 or mask_gain[best_mask] > node_gain[best_node]):
-            masked[best_mask] = True
-            rows += k
-        else:
-            kept[best_node] = True
-            order.append(best_node)
-            child_reach[parents[best_node]] += reach[best_node]
-            rows += 1
-    return torch.tensor(order, dtype=torch.long), torch.from_numpy(masked)
+    parents, _, scores, depths = candidates.arrays()
+    count = candidates.num_candidates
+    kept = np.empty(count, np.int64)
+    masked = np.empty(count, np.bool_)
+    num_kept = allocate_kernel(parents, scores, depths, count, int(block_size),
+                               int(num_mask_tokens), float(mask_value), kept, masked)
+    return torch.from_numpy(kept[:num_kept].copy()), torch.from_numpy(masked)
 
 
 def hybrid_next_tree(token_ids: np.ndarray, root_token: int,
@@ -300,27 +398,13 @@ def hybrid_next_tree(token_ids: np.ndarray, root_token: int,
     with no mask logits and no lookup match; ``HybridSource`` then uses
     ESP's placeholder tree).
     """
-    use_esp = "esp" in candidates
-    node_budget = int(block_size) - 1
-    chains = []
-    if "ngram" in candidates:
-        # Alone, lookup is exactly prompt lookup: one chain. Beside ESP, older
-        # occurrences with other continuations compete for the budget too.
-        chains = lookup_chains(token_ids, node_budget,
-                               LOOKUP_MAX_CHAINS if use_esp else 1,
-                               lookup_accept=lookup_accept)
-    if use_esp and mask_logits is not None:
-        scored = esp_candidates(mask_logits, node_budget, root_token)
-        scored.scores[1:] += math.log(esp_weight)
-    elif chains:
-        # No mask logits (first step after prefill, or the last accepted node
-        # had no masks), or lookup only.
-        scored, chains = chains[0], chains[1:]
-    else:
-        return None
-    for chain in chains:
-        scored = merge_candidates(scored, chain)
-    if not use_esp:
-        return select_tree(scored, node_budget, 0)
-    kept, masked = allocate_block(scored, block_size, num_mask_tokens, mask_value)
-    return tree_from_candidates(scored, kept, num_mask_tokens, masked)
+    from vllm_esp.core.batch import HybridParams, hybrid_tree
+
+    history = np.asarray(token_ids, dtype=np.int64)
+    params = HybridParams.make(block_size, num_mask_tokens, candidates,
+                               esp_weight, lookup_accept, mask_value)
+    cand_tokens = cand_log_probs = None
+    if mask_logits is not None and params.use_esp:
+        cand_tokens, cand_log_probs = mask_candidates(mask_logits, params.node_budget + 1)
+    return hybrid_tree(params, history, int(root_token), cand_tokens, cand_log_probs,
+                       vocab_size=None if mask_logits is None else mask_logits.shape[1])

@@ -23,6 +23,13 @@ is very often an echo of its own position's token, i.e. the bonus token.
 The dynamic tree (paper Algorithm 1) grows a best-first tree under a node
 budget ``B`` by cumulative probability instead of fixed widths; see
 ``dynamic_next_tree``.
+
+Everything is computed from a request's *candidate table*: the top ``W``
+tokens of each mask and their log-probabilities (``mask_candidates``, one
+``topk`` for a whole batch). The algorithms themselves are compiled
+(numba) functions of one request's arrays, so that a whole batch is one
+call (``vllm_esp.core.batch``); the functions here wrap them for one
+request, which is what the reference decoder and the tests use.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
+from numba import njit
 
 from vllm_esp.config import ESPConfig
 from vllm_esp.core.tree import (BlockLayout, TreeSpec, block_layout,
@@ -39,6 +48,7 @@ from vllm_esp.core.tree import (BlockLayout, TreeSpec, block_layout,
 __all__ = [
     "DraftTree",
     "ScoredCandidates",
+    "mask_candidates",
     "esp_candidates",
     "select_tree",
     "tree_from_candidates",
@@ -89,41 +99,16 @@ def _check_mask_logits(mask_logits: torch.Tensor, num_levels: int) -> None:
             f"{tuple(mask_logits.shape)}")
 
 
-def _top_without(scores: torch.Tensor, count: int,
-                 excluded_token: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``count`` (values, tokens) of ``scores`` [V], skipping ``excluded_token``.
-
-    Takes the top ``count + 1`` and drops the excluded token if it is among
-    them (otherwise the last one), so the result keeps descending order.
-    """
-    count = min(count, scores.numel() - 1)
-    values, tokens = torch.topk(scores, count + 1)
-    keep = tokens != excluded_token
-    if bool(keep.all()):
-        keep[-1] = False
-    return values[keep], tokens[keep]
-
-
-def static_next_tree(mask_logits: torch.Tensor, widths: Sequence[int],
-                     root_token: int) -> DraftTree:
-    """Top-1 expansion tree (paper App. D) with parent-repeat pruning.
-
-    Level ``i`` holds the top-``widths[i-1]`` tokens of mask ``i``, ordered by
-    descending probability, as children of the root (``i == 1``) or of the
-    first (most probable) node of level ``i - 1``. A candidate equal to its
-    parent's token is replaced by the next-best token.
-    """
-    widths = tuple(int(w) for w in widths)
-    _check_mask_logits(mask_logits, len(widths))
-    tree_spec = static_tree(widths)
-    tokens = [torch.tensor([root_token], dtype=torch.long)]
-    parent_token = int(root_token)
-    for level, width in enumerate(widths):  # k <= 3 levels
-        _, level_tokens = _top_without(mask_logits[level].float(), width,
-                                       parent_token)
-        tokens.append(level_tokens.cpu())
-        parent_token = int(level_tokens[0])
-    return DraftTree(tree_spec, torch.cat(tokens))
+def mask_candidates(mask_logits: torch.Tensor, width: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Candidate tables ``(tokens, log_probs)``, each ``[..., k, W]``: the
+    top ``W = min(width, V)`` tokens of every mask's distribution in
+    descending order, with their log-probabilities (fp32). Works on one
+    request's ``[k, V]`` or a batch's ``[B, k, V]`` in one ``topk``."""
+    width = min(int(width), mask_logits.shape[-1])
+    log_probs = torch.log_softmax(mask_logits.float(), dim=-1).clamp(max=0.0)
+    values, tokens = torch.topk(log_probs, width, dim=-1)
+    return tokens.cpu().numpy().astype(np.int64), values.cpu().numpy()
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,7 +130,145 @@ class ScoredCandidates:
     def num_candidates(self) -> int:
         return int(self.parents.numel())
 
+    @classmethod
+    def from_arrays(cls, parents, tokens, scores, depths, count) -> "ScoredCandidates":
+        return cls(torch.from_numpy(parents[:count].copy()),
+                   torch.from_numpy(tokens[:count].copy()),
+                   torch.from_numpy(scores[:count].copy()),
+                   torch.from_numpy(depths[:count].copy()))
 
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return (self.parents.numpy().astype(np.int64), self.tokens.numpy().astype(np.int64),
+                self.scores.numpy().astype(np.float32), self.depths.numpy().astype(np.int64))
+
+
+# ----------------------------------------------------------- compiled core
+# Each function works on one request's arrays and writes into preallocated
+# outputs; vllm_esp.core.batch loops them over a batch in compiled code.
+
+@njit(cache=True)
+def esp_candidates_kernel(cand_tokens, cand_log_probs, node_budget, root_token,
+                          vocab_size, parents, tokens, scores, depths):
+    """Paper Algorithm 1's candidates into ``parents/tokens/scores/depths``
+    (capacity ``1 + k * node_budget``); returns how many. Level ``i``: every
+    frontier node gets its ``W_i = B - i + 1`` best children from mask ``i``
+    (its own token dropped), and the ``W_i`` best of all of them, stable in
+    (parent, candidate) order on ties, form the next frontier."""
+    num_levels = cand_tokens.shape[0]
+    parents[0] = -1
+    tokens[0] = root_token
+    scores[0] = 0.0
+    depths[0] = 0
+    count = 1
+    frontier_start = 0
+    frontier_size = 1
+    for level in range(1, num_levels + 1):
+        width = min(node_budget - level + 1, vocab_size - 1)
+        if width <= 0:
+            break
+        total = frontier_size * width
+        child_parents = np.empty(total, np.int64)
+        child_tokens = np.empty(total, np.int64)
+        child_scores = np.empty(total, np.float32)
+        filled = 0
+        for f in range(frontier_size):
+            node = frontier_start + f
+            # Drop the parent's token from the top width + 1, or the last one.
+            drop = width
+            for c in range(width + 1):
+                if cand_tokens[level - 1, c] == tokens[node]:
+                    drop = c
+                    break
+            for c in range(width + 1):
+                if c == drop:
+                    continue
+                child_parents[filled] = node
+                child_tokens[filled] = cand_tokens[level - 1, c]
+                child_scores[filled] = scores[node] + cand_log_probs[level - 1, c]
+                filled += 1
+        order = np.argsort(-child_scores, kind="mergesort")
+        frontier_start = count
+        for j in range(width):
+            best = order[j]
+            parents[count] = child_parents[best]
+            tokens[count] = child_tokens[best]
+            scores[count] = child_scores[best]
+            depths[count] = level
+            count += 1
+        frontier_size = width
+    return count
+
+
+@njit(cache=True)
+def select_kernel(scores, depths, count, node_budget, kept):
+    """Root plus the ``node_budget`` best candidates into ``kept``, best
+    first (score descending, then smaller depth, then creation order);
+    returns how many."""
+    candidates = np.arange(1, count)
+    by_depth = candidates[np.argsort(depths[1:count], kind="mergesort")]
+    by_score = by_depth[np.argsort(-scores[by_depth], kind="mergesort")]
+    size = min(node_budget, count - 1)
+    kept[0] = 0
+    for i in range(size):
+        kept[i + 1] = by_score[i]
+    return size + 1
+
+
+@njit(cache=True)
+def bfs_tree_kernel(parents, tokens, depths, masked, kept, num_kept,
+                    out_parents, out_tokens, out_masked):
+    """The tree of the ``kept`` candidates (root first; ancestor-closed) in
+    BFS order: by depth, then by their order in ``kept``. Writes parents
+    (renumbered), tokens and mask flags; returns the node count, or -1 if
+    ``kept`` is not ancestor-closed."""
+    new_id = np.full(parents.shape[0], -1, np.int64)
+    for i in range(num_kept):
+        new_id[kept[i]] = -2  # kept, not yet numbered
+    if kept[0] != 0:
+        return -1
+    for i in range(1, num_kept):
+        if new_id[parents[kept[i]]] == -1:
+            return -1
+    order = kept[:num_kept][np.argsort(depths[kept[:num_kept]], kind="mergesort")]
+    for i in range(num_kept):
+        new_id[order[i]] = i
+    for i in range(num_kept):
+        node = order[i]
+        out_parents[i] = -1 if i == 0 else new_id[parents[node]]
+        out_tokens[i] = tokens[node]
+        out_masked[i] = masked[node]
+    return num_kept
+
+
+@njit(cache=True)
+def static_tree_kernel(cand_tokens, widths, root_token, vocab_size, out_parents,
+                       out_tokens):
+    """Top-1 expansion (paper App. D) with parent-repeat pruning: level
+    ``i`` = the ``widths[i-1]`` best of mask ``i`` without the parent's
+    token, under the first (most probable) node of level ``i - 1``."""
+    out_parents[0] = -1
+    out_tokens[0] = root_token
+    count = 1
+    parent = 0
+    for level in range(widths.shape[0]):
+        width = min(widths[level], vocab_size - 1)
+        drop = width
+        for c in range(width + 1):
+            if cand_tokens[level, c] == out_tokens[parent]:
+                drop = c
+                break
+        first = count
+        for c in range(width + 1):
+            if c == drop:
+                continue
+            out_parents[count] = parent
+            out_tokens[count] = cand_tokens[level, c]
+            count += 1
+        parent = first
+    return count
+
+
+# ------------------------------------------------------------- one request
 def esp_candidates(mask_logits: torch.Tensor, node_budget: int,
                    root_token: int) -> ScoredCandidates:
     """Candidates of the dynamic tree (paper Algorithm 1), before the final
@@ -154,51 +277,15 @@ def esp_candidates(mask_logits: torch.Tensor, node_budget: int,
     if budget < 1:
         raise ValueError(f"dynamic_next_tree: node_budget must be >= 1, got {budget}")
     _check_mask_logits(mask_logits, 1)
-    num_levels = mask_logits.shape[0]
-    # Stays on the logits' device; only the per-level top-(W+1) moves to CPU.
-    log_probs = torch.log_softmax(mask_logits.float(), dim=-1).clamp(max=0.0)
-    vocab_size = log_probs.shape[1]
-
-    # Frontier of the previous level, as (node id, token, score) tensors.
-    # Node ids are provisional (creation order); the root is id 0.
-    frontier_ids = torch.zeros(1, dtype=torch.long)
-    frontier_tokens = torch.tensor([root_token], dtype=torch.long)
-    frontier_scores = torch.zeros(1)
-    all_parents = [torch.tensor([-1])]
-    all_tokens = [frontier_tokens]
-    all_scores = [frontier_scores]
-    all_depths = [torch.zeros(1, dtype=torch.long)]
-    num_created = 1
-    for level in range(1, num_levels + 1):  # k <= 3 levels
-        width = min(budget - level + 1, vocab_size - 1)
-        if width <= 0:
-            break
-        # One candidate list per level, filtered per parent: take width + 1
-        # tokens and drop the parent's token, or the last one if absent.
-        cand_scores, cand_tokens = (
-            t.cpu() for t in torch.topk(log_probs[level - 1], width + 1))
-        is_parent = cand_tokens[None, :] == frontier_tokens[:, None]
-        is_parent[~is_parent.any(dim=1), -1] = True
-        keep = ~is_parent  # exactly `width` per row
-        child_tokens = cand_tokens.expand_as(keep)[keep].view(-1, width)
-        child_scores = (frontier_scores[:, None] + cand_scores[None, :]
-                        ).masked_select(keep).view(-1, width)
-        child_parents = frontier_ids[:, None].expand(-1, width)
-        # Next frontier: the `width` best children across all parents.
-        # Stable sort keeps parent order (more probable parent first) on ties.
-        order = torch.sort(child_scores.reshape(-1), descending=True,
-                           stable=True).indices[:width]
-        frontier_tokens = child_tokens.reshape(-1)[order]
-        frontier_scores = child_scores.reshape(-1)[order]
-        parents = child_parents.reshape(-1)[order]
-        frontier_ids = torch.arange(num_created, num_created + order.numel())
-        num_created += order.numel()
-        all_parents.append(parents)
-        all_tokens.append(frontier_tokens)
-        all_scores.append(frontier_scores)
-        all_depths.append(torch.full_like(parents, level))
-    return ScoredCandidates(torch.cat(all_parents), torch.cat(all_tokens),
-                            torch.cat(all_scores), torch.cat(all_depths))
+    cand_tokens, cand_log_probs = mask_candidates(mask_logits, budget + 1)
+    capacity = 1 + mask_logits.shape[0] * budget
+    parents = np.empty(capacity, np.int64)
+    tokens = np.empty(capacity, np.int64)
+    scores = np.empty(capacity, np.float32)
+    depths = np.empty(capacity, np.int64)
+    count = esp_candidates_kernel(cand_tokens, cand_log_probs, budget, int(root_token),
+                                  mask_logits.shape[1], parents, tokens, scores, depths)
+    return ScoredCandidates.from_arrays(parents, tokens, scores, depths, count)
 
 
 def select_tree(candidates: ScoredCandidates, node_budget: int,
@@ -210,14 +297,12 @@ def select_tree(candidates: ScoredCandidates, node_budget: int,
     its parent). Output nodes are ordered by depth, then by descending score,
     so each level's most probable node comes first.
     """
-    scores, depths = candidates.scores, candidates.depths
-    # Score descending, then depth ascending: sort by depth first (stable),
-    # then stably by score.
-    by_depth = torch.sort(depths[1:], stable=True).indices + 1
-    order = by_depth[torch.sort(scores[by_depth], descending=True,
-                                stable=True).indices]
-    kept = torch.cat([torch.zeros(1, dtype=torch.long), order[:int(node_budget)]])
-    return tree_from_candidates(candidates, kept, num_mask_tokens)
+    _, _, scores, depths = candidates.arrays()
+    kept = np.empty(candidates.num_candidates, np.int64)
+    num_kept = select_kernel(scores, depths, candidates.num_candidates,
+                             int(node_budget), kept)
+    return tree_from_candidates(candidates, torch.from_numpy(kept[:num_kept]),
+                                num_mask_tokens)
 
 
 def tree_from_candidates(candidates: ScoredCandidates, kept: torch.Tensor,
@@ -230,22 +315,40 @@ def tree_from_candidates(candidates: ScoredCandidates, kept: torch.Tensor,
     Nodes are ordered by depth, then by their order in ``kept``, so each
     level's most probable node comes first.
     """
-    parents, tokens, depths = candidates.parents, candidates.tokens, candidates.depths
-    num_created = candidates.num_candidates
-    is_kept = torch.zeros(num_created, dtype=torch.bool)
-    is_kept[kept] = True
-    if int(kept[0]) != 0 or not bool(is_kept[parents[kept[1:]]].all()):
+    parents, tokens, _, depths = candidates.arrays()
+    kept_array = np.asarray(kept, dtype=np.int64)
+    flags = (np.ones(parents.shape[0], np.bool_) if masked is None
+             else np.asarray(masked, dtype=np.bool_))
+    size = kept_array.shape[0]
+    out_parents = np.empty(size, np.int64)
+    out_tokens = np.empty(size, np.int64)
+    out_masked = np.empty(size, np.bool_)
+    if bfs_tree_kernel(parents, tokens, depths, flags, kept_array, size,
+                       out_parents, out_tokens, out_masked) < 0:
         raise AssertionError("select_tree: kept set is not ancestor-closed")
+    tree_spec = TreeSpec(tuple(out_parents.tolist()), num_mask_tokens=num_mask_tokens,
+                         masked=None if masked is None else tuple(out_masked.tolist()))
+    return DraftTree(tree_spec, torch.from_numpy(out_tokens))
 
-    # BFS order: a stable sort of `kept` by depth.
-    bfs = kept[torch.sort(depths[kept], stable=True).indices]
-    new_id = torch.full((num_created,), -1, dtype=torch.long)
-    new_id[bfs] = torch.arange(bfs.numel())
-    new_parents = torch.where(bfs == 0, -1, new_id[parents[bfs].clamp(min=0)])
-    node_masked = None if masked is None else tuple(masked[bfs].tolist())
-    tree_spec = TreeSpec(tuple(new_parents.tolist()), num_mask_tokens=num_mask_tokens,
-                         masked=node_masked)
-    return DraftTree(tree_spec, tokens[bfs])
+
+def static_next_tree(mask_logits: torch.Tensor, widths: Sequence[int],
+                     root_token: int) -> DraftTree:
+    """Top-1 expansion tree (paper App. D) with parent-repeat pruning.
+
+    Level ``i`` holds the top-``widths[i-1]`` tokens of mask ``i``, ordered by
+    descending probability, as children of the root (``i == 1``) or of the
+    first (most probable) node of level ``i - 1``. A candidate equal to its
+    parent's token is replaced by the next-best token.
+    """
+    widths = tuple(int(w) for w in widths)
+    _check_mask_logits(mask_logits, len(widths))
+    cand_tokens, _ = mask_candidates(mask_logits[:len(widths)], max(widths) + 1)
+    tree_spec = static_tree(widths)
+    out_parents = np.empty(tree_spec.num_nodes, np.int64)
+    out_tokens = np.empty(tree_spec.num_nodes, np.int64)
+    static_tree_kernel(cand_tokens, np.asarray(widths, np.int64), int(root_token),
+                       mask_logits.shape[1], out_parents, out_tokens)
+    return DraftTree(tree_spec, torch.from_numpy(out_tokens))
 
 
 def dynamic_next_tree(mask_logits: torch.Tensor, node_budget: int,
@@ -278,6 +381,14 @@ def dynamic_next_tree(mask_logits: torch.Tensor, node_budget: int,
     return select_tree(candidates, node_budget, num_mask_tokens=mask_logits.shape[0])
 
 
+def placeholder_spec(config: ESPConfig) -> TreeSpec:
+    """The shape of the first tree after prefill (see ``placeholder_tree``)."""
+    if config.tree is not None:
+        return static_tree(config.tree)
+    return TreeSpec((-1,) + (0,) * config.node_budget,
+                    num_mask_tokens=config.num_mask_tokens)
+
+
 def placeholder_tree(config: ESPConfig, root_token: int) -> DraftTree:
     """The first tree after prefill, when no mask logits exist yet.
 
@@ -290,11 +401,7 @@ def placeholder_tree(config: ESPConfig, root_token: int) -> DraftTree:
     their step counts agree. (The paper instead appends ``k`` masks to the
     prefill; the reference decoder offers that as ``prefill_masks=True``.)
     """
-    if config.tree is not None:
-        tree_spec = static_tree(config.tree)
-    else:
-        tree_spec = TreeSpec((-1,) + (0,) * config.node_budget,
-                             num_mask_tokens=config.num_mask_tokens)
+    tree_spec = placeholder_spec(config)
     tokens = torch.full((tree_spec.num_nodes,), int(root_token), dtype=torch.long)
     return DraftTree(tree_spec, tokens)
 

@@ -1,0 +1,450 @@
+"""ESP for a whole batch at once: next trees, block layouts, chain selection.
+
+The engine adapter calls these once per step for every request, in the
+style of vLLM's ``ngram_proposer.py``: a compiled (numba) loop over the
+batch around the per-request algorithms of ``core.proposal`` and
+``core.hybrid``, reading and writing preallocated arrays. No Python runs
+per request or per node.
+
+A batch of trees is plain data, :class:`TreeBatch`: padded ``parents``,
+``tokens`` and ``masked`` per request, and ``num_nodes`` (0: no tree).
+:func:`block_layouts` turns the trees of a step into everything the forward
+and the verification need (rows, positions, attention masks, mask rows);
+:func:`select_chains` reduces each verified tree to the chain that vLLM's
+rejection sampler checks.
+
+Worked example, two requests, ESP alone with ``tree=[2]`` (k = 1)::
+
+    request 0: root 5, mask-1 candidates 5 9 4 ...  -> tree 5 -> {9, 4}
+    request 1: no candidates yet (first step)        -> placeholder 7 -> {7, 7}
+
+    TreeBatch.parents  = [[-1, 0, 0], [-1, 0, 0]]
+    TreeBatch.tokens   = [[5, 9, 4], [7, 7, 7]]
+    TreeBatch.masked   = all True,  num_nodes = [3, 3]
+
+    block_layouts -> rows [6, 6]: nodes 0..2, then the masks of nodes 0..2
+                     offsets [0, 1, 1, 1, 2, 2] per block
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from numba import njit
+
+from vllm_esp.config import ESPConfig
+from vllm_esp.core.hybrid import (ESP_WEIGHT, LOOKUP_ACCEPT, LOOKUP_MAX_CHAINS,
+                                  LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM, MASK_VALUE,
+                                  allocate_kernel, lookup_chains_kernel,
+                                  merge_chain_kernel)
+from vllm_esp.core.proposal import (DraftTree, bfs_tree_kernel,
+                                    esp_candidates_kernel, select_kernel,
+                                    static_tree_kernel)
+from vllm_esp.core.tree import TreeSpec
+
+__all__ = [
+    "TreeBatch",
+    "HybridParams",
+    "TreeProposer",
+    "BlockLayouts",
+    "block_layouts",
+    "select_chains",
+    "hybrid_tree",
+]
+
+# Proposal modes.
+STATIC, DYNAMIC, HYBRID = 0, 1, 2
+
+
+@dataclass
+class TreeBatch:
+    """Padded draft trees of a batch. Row ``i`` holds ``num_nodes[i]``
+    nodes in BFS order (``parents[i, 0] = -1`` is the root), or no tree when
+    ``num_nodes[i] == 0``; ``masked`` says which nodes carry the ``k``
+    masks."""
+
+    parents: np.ndarray    # [B, T] int64
+    tokens: np.ndarray     # [B, T] int64
+    masked: np.ndarray     # [B, T] bool
+    num_nodes: np.ndarray  # [B] int64
+    num_mask_tokens: int
+
+    @classmethod
+    def empty(cls, batch_size: int, max_nodes: int, num_mask_tokens: int) -> "TreeBatch":
+        return cls(np.full((batch_size, max_nodes), -1, np.int64),
+                   np.zeros((batch_size, max_nodes), np.int64),
+                   np.zeros((batch_size, max_nodes), np.bool_),
+                   np.zeros(batch_size, np.int64), num_mask_tokens)
+
+    @classmethod
+    def from_trees(cls, trees: Sequence[DraftTree | None], num_mask_tokens: int
+                   ) -> "TreeBatch":
+        width = max([1] + [t.num_nodes for t in trees if t is not None])
+        batch = cls.empty(len(trees), width, num_mask_tokens)
+        for i, tree in enumerate(trees):
+            if tree is not None:
+                batch.set(i, tree)
+        return batch
+
+    def set(self, i: int, tree: DraftTree) -> None:
+        size = tree.num_nodes
+        self.parents[i, :size] = tree.tree_spec.parents
+        self.tokens[i, :size] = tree.tokens.numpy()
+        self.masked[i, :size] = tree.tree_spec.masked
+        self.num_nodes[i] = size
+
+    def tree(self, i: int) -> DraftTree | None:
+        size = int(self.num_nodes[i])
+        if size == 0:
+            return None
+        masked = tuple(self.masked[i, :size].tolist())
+        spec = TreeSpec(tuple(self.parents[i, :size].tolist()), self.num_mask_tokens,
+                        masked=None if all(masked) else masked)
+        return DraftTree(spec, torch.from_numpy(self.tokens[i, :size].copy()))
+
+    def block_sizes(self) -> np.ndarray:
+        """Q per request: nodes plus k rows per masked node (0: no tree)."""
+        masked_nodes = (self.masked & (np.arange(self.masked.shape[1]) <
+                                       self.num_nodes[:, None])).sum(axis=1)
+        return self.num_nodes + self.num_mask_tokens * masked_nodes
+
+
+# ------------------------------------------------------------------ hybrid
+@dataclass(frozen=True)
+class HybridParams:
+    """The hybrid's settings (see ``core.hybrid``)."""
+
+    block_size: int
+    num_mask_tokens: int
+    use_esp: bool
+    use_lookup: bool
+    esp_log_weight: float
+    lookup_accept: np.ndarray
+    mask_value: float
+    max_chains: int
+
+    @property
+    def node_budget(self) -> int:
+        return self.block_size - 1
+
+    @property
+    def capacity(self) -> int:
+        """Candidates one request can have: the root, ESP's levels, the chains."""
+        budget = self.node_budget
+        return 1 + self.num_mask_tokens * budget + self.max_chains * budget
+
+    @classmethod
+    def make(cls, block_size: int, num_mask_tokens: int, candidates: Sequence[str],
+             esp_weight: float = ESP_WEIGHT,
+             lookup_accept: Sequence[float] = LOOKUP_ACCEPT,
+             mask_value: float = MASK_VALUE) -> "HybridParams":
+        use_esp = "esp" in candidates
+        return cls(int(block_size), int(num_mask_tokens) if use_esp else 0, use_esp,
+                   "ngram" in candidates, math.log(esp_weight),
+                   np.asarray(lookup_accept, np.float64), float(mask_value),
+                   LOOKUP_MAX_CHAINS if use_esp else 1)
+
+
+@njit(cache=True)
+def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_log_probs,
+                       vocab_size, block_size, num_mask_tokens, use_esp, use_lookup,
+                       esp_log_weight, lookup_accept, mask_value, max_chains,
+                       capacity, out_parents, out_tokens, out_masked):
+    """One request's hybrid tree (``core.hybrid``); returns its node count,
+    0 when no source has a candidate."""
+    budget = block_size - 1
+    parents = np.empty(capacity, np.int64)
+    tokens = np.empty(capacity, np.int64)
+    scores = np.empty(capacity, np.float32)
+    depths = np.empty(capacity, np.int64)
+    chain_tokens = np.empty((max_chains, budget), np.int64)
+    chain_scores = np.empty((max_chains, budget), np.float32)
+    chain_lengths = np.empty(max_chains, np.int64)
+    num_chains = 0
+    if use_lookup:
+        num_chains = lookup_chains_kernel(history, budget, max_chains, LOOKUP_MAX_NGRAM,
+                                          LOOKUP_MIN_NGRAM, lookup_accept, chain_tokens,
+                                          chain_scores, chain_lengths)
+    first_chain = 0
+    if use_esp and has_candidates:
+        count = esp_candidates_kernel(cand_tokens, cand_log_probs, budget, root_token,
+                                      vocab_size, parents, tokens, scores, depths)
+        # Mask probabilities overstate acceptance.
+        for i in range(1, count):
+            scores[i] += np.float32(esp_log_weight)
+    elif num_chains > 0:
+        # No mask candidates (first step after prefill, or the last accepted
+        # node had no masks), or lookup alone: the first chain is the tree.
+        parents[0] = -1
+        tokens[0] = root_token
+        scores[0] = 0.0
+        depths[0] = 0
+        for d in range(chain_lengths[0]):
+            parents[d + 1] = d
+            tokens[d + 1] = chain_tokens[0, d]
+            scores[d + 1] = chain_scores[0, d]
+            depths[d + 1] = d + 1
+        count = chain_lengths[0] + 1
+        first_chain = 1
+    else:
+        return 0
+    for c in range(first_chain, num_chains):
+        count = merge_chain_kernel(parents, tokens, scores, depths, count,
+                                   chain_tokens[c], chain_scores[c], chain_lengths[c])
+    kept = np.empty(count, np.int64)
+    masked = np.zeros(count, np.bool_)
+    if use_esp:
+        num_kept = allocate_kernel(parents, scores, depths, count, block_size,
+                                   num_mask_tokens, mask_value, kept, masked)
+    else:
+        num_kept = select_kernel(scores, depths, count, budget, kept)
+    return bfs_tree_kernel(parents, tokens, depths, masked, kept, num_kept,
+                           out_parents, out_tokens, out_masked)
+
+
+def hybrid_tree(params: HybridParams, history: np.ndarray, root_token: int,
+                cand_tokens: np.ndarray | None, cand_log_probs: np.ndarray | None,
+                vocab_size: int | None) -> DraftTree | None:
+    """One request's hybrid tree, or None (see ``core.hybrid``)."""
+    has_candidates = cand_tokens is not None
+    if not has_candidates:
+        cand_tokens = np.zeros((1, 1), np.int64)
+        cand_log_probs = np.zeros((1, 1), np.float32)
+    capacity = params.capacity
+    out_parents = np.empty(capacity, np.int64)
+    out_tokens = np.empty(capacity, np.int64)
+    out_masked = np.empty(capacity, np.bool_)
+    size = hybrid_tree_kernel(
+        np.asarray(history, np.int64), root_token, has_candidates, cand_tokens,
+        cand_log_probs, vocab_size or 0, params.block_size, params.num_mask_tokens,
+        params.use_esp, params.use_lookup, params.esp_log_weight, params.lookup_accept,
+        params.mask_value, params.max_chains, capacity, out_parents, out_tokens,
+        out_masked)
+    if size == 0:
+        return None
+    masked = tuple(out_masked[:size].tolist()) if params.use_esp else None
+    spec = TreeSpec(tuple(out_parents[:size].tolist()), params.num_mask_tokens,
+                    masked=masked)
+    return DraftTree(spec, torch.from_numpy(out_tokens[:size].copy()))
+
+
+# ------------------------------------------------------------------- batch
+@njit(cache=True)
+def propose_batch_kernel(mode, histories, history_rows, history_starts, history_ends,
+                         roots, has_candidates, cand_tokens, cand_log_probs, vocab_size,
+                         widths, node_budget, block_size, num_mask_tokens, use_esp,
+                         use_lookup, esp_log_weight, lookup_accept, mask_value,
+                         max_chains, capacity, placeholder_parents, out_parents,
+                         out_tokens, out_masked, out_num_nodes):
+    """Next trees of ``roots.shape[0]`` requests; request ``i``'s history
+    is ``histories[history_rows[i], history_starts[i]:history_ends[i]]``."""
+    parents = np.empty(capacity, np.int64)
+    tokens = np.empty(capacity, np.int64)
+    scores = np.empty(capacity, np.float32)
+    depths = np.empty(capacity, np.int64)
+    kept = np.empty(capacity, np.int64)
+    masked = np.empty(capacity, np.bool_)
+    all_masked = np.ones(capacity, np.bool_)
+    for i in range(roots.shape[0]):
+        size = 0
+        if mode == HYBRID:
+            history = histories[history_rows[i], history_starts[i]:history_ends[i]]
+            size = hybrid_tree_kernel(history, roots[i], has_candidates[i],
+                                      cand_tokens[i], cand_log_probs[i], vocab_size,
+                                      block_size, num_mask_tokens, use_esp, use_lookup,
+                                      esp_log_weight, lookup_accept, mask_value,
+                                      max_chains, capacity, parents, tokens, masked)
+            for t in range(size):
+                out_parents[i, t] = parents[t]
+                out_tokens[i, t] = tokens[t]
+                out_masked[i, t] = masked[t]
+        elif has_candidates[i] and mode == STATIC:
+            size = static_tree_kernel(cand_tokens[i], widths, roots[i], vocab_size,
+                                      out_parents[i], out_tokens[i])
+            for t in range(size):
+                out_masked[i, t] = True
+        elif has_candidates[i]:  # DYNAMIC
+            count = esp_candidates_kernel(cand_tokens[i], cand_log_probs[i], node_budget,
+                                          roots[i], vocab_size, parents, tokens, scores,
+                                          depths)
+            num_kept = select_kernel(scores, depths, count, node_budget, kept)
+            size = bfs_tree_kernel(parents, tokens, depths, all_masked, kept, num_kept,
+                                   out_parents[i], out_tokens[i], out_masked[i])
+        if size == 0 and use_esp:
+            # ESP's placeholder: the configured shape, every token the root's.
+            size = placeholder_parents.shape[0]
+            for t in range(size):
+                out_parents[i, t] = placeholder_parents[t]
+                out_tokens[i, t] = roots[i]
+                out_masked[i, t] = True
+        out_num_nodes[i] = size
+
+
+class TreeProposer:
+    """Next trees of a batch for one :class:`ESPConfig`.
+
+    ``propose`` takes each request's token history (rows of a shared
+    ``[R, L]`` token table, as vLLM's input batch keeps them), its root
+    token (the last committed token) and its candidate table from the
+    masks of its last accepted node (``mask_candidates``, ``candidate_width``
+    columns; requests without one get the placeholder, or lookup alone in
+    the hybrid), and fills a :class:`TreeBatch`.
+
+    ``widths`` overrides the config's tree with a static one (the
+    step-cost benchmark sizes blocks with it).
+    """
+
+    def __init__(self, config: ESPConfig, *, widths: Sequence[int] | None = None) -> None:
+        from vllm_esp.core.proposal import placeholder_spec
+        from vllm_esp.core.tree import static_tree
+
+        self.config = config
+        k = config.num_mask_tokens
+        self.num_mask_tokens = config.masks_per_node
+        self.hybrid = HybridParams.make(config.block_size, k, config.candidates)
+        self.node_budget = config.node_budget
+        if config.is_hybrid:
+            self.mode = HYBRID
+            self.capacity = self.hybrid.capacity
+            self.max_nodes = config.block_size
+            self.candidate_width = self.hybrid.node_budget + 1
+            placeholder = placeholder_spec(config)
+        elif widths is not None or config.tree is not None:
+            self.mode = STATIC
+            widths = tuple(int(w) for w in (widths if widths is not None else config.tree))
+            placeholder = static_tree(widths)
+            self.capacity = self.max_nodes = placeholder.num_nodes
+            self.candidate_width = max(widths) + 1
+        else:
+            self.mode = DYNAMIC
+            placeholder = placeholder_spec(config)
+            self.capacity = 1 + k * self.node_budget
+            self.max_nodes = config.num_nodes
+            self.candidate_width = self.node_budget + 1
+        self.widths = np.asarray(widths if self.mode == STATIC else (1,), np.int64)
+        self.placeholder_parents = np.asarray(placeholder.parents, np.int64)
+        self.max_nodes = max(self.max_nodes, placeholder.num_nodes)
+
+    def propose(self, histories: np.ndarray, history_rows: np.ndarray,
+                history_starts: np.ndarray, history_ends: np.ndarray,
+                roots: np.ndarray, cand_tokens: np.ndarray, cand_log_probs: np.ndarray,
+                has_candidates: np.ndarray, vocab_size: int,
+                out: TreeBatch | None = None) -> TreeBatch:
+        if out is None:
+            out = TreeBatch.empty(roots.shape[0], self.max_nodes, self.num_mask_tokens)
+        hybrid = self.hybrid
+        propose_batch_kernel(
+            self.mode, histories, history_rows, history_starts, history_ends, roots,
+            has_candidates, cand_tokens, cand_log_probs, vocab_size, self.widths,
+            self.node_budget, hybrid.block_size, hybrid.num_mask_tokens,
+            hybrid.use_esp, hybrid.use_lookup, hybrid.esp_log_weight,
+            hybrid.lookup_accept, hybrid.mask_value, hybrid.max_chains, self.capacity,
+            self.placeholder_parents, out.parents, out.tokens, out.masked, out.num_nodes)
+        return out
+
+
+# ----------------------------------------------------------------- layouts
+@dataclass
+class BlockLayouts:
+    """The blocks of one step (``core.tree.BlockLayout``, batched, padded
+    to ``Q = max rows``): rows per block, position offsets, attention
+    masks, and the rows of each node's masks (-1: none)."""
+
+    num_rows: np.ndarray          # [B] int32
+    position_offsets: np.ndarray  # [B, Q] int32
+    attention_masks: np.ndarray   # [B, Q, Q] bool
+    mask_rows: np.ndarray         # [B, T, k] int64
+    depths: np.ndarray            # [B, T] int64
+
+
+@njit(cache=True)
+def layouts_kernel(parents, masked, num_nodes, num_mask_tokens, out_num_rows,
+                   out_offsets, out_masks, out_mask_rows, out_depths):
+    k = num_mask_tokens
+    for b in range(parents.shape[0]):
+        size = num_nodes[b]
+        out_depths[b, 0] = 0
+        for t in range(1, size):
+            out_depths[b, t] = out_depths[b, parents[b, t]] + 1
+        row = size
+        for t in range(size):
+            out_offsets[b, t] = out_depths[b, t]
+            for j in range(k):
+                out_mask_rows[b, t, j] = -1
+            if k > 0 and masked[b, t]:
+                for j in range(k):
+                    out_mask_rows[b, t, j] = row + j
+                    out_offsets[b, row + j] = out_depths[b, t] + j + 1
+                row += k
+        out_num_rows[b] = row
+        # A node row sees the root, its ancestors and itself; mask j of
+        # node t sees what t sees, t, and masks 1..j of t.
+        for t in range(size):
+            node = t
+            while node >= 0:
+                out_masks[b, t, node] = True
+                for j in range(k):
+                    if out_mask_rows[b, t, j] >= 0:
+                        out_masks[b, out_mask_rows[b, t, j], node] = True
+                node = parents[b, node]
+            for j in range(k):
+                row_j = out_mask_rows[b, t, j]
+                if row_j >= 0:
+                    for earlier in range(j + 1):
+                        out_masks[b, row_j, out_mask_rows[b, t, earlier]] = True
+
+
+def block_layouts(trees: TreeBatch) -> BlockLayouts:
+    """Layouts of every tree in ``trees`` (all must have a tree)."""
+    batch, width = trees.parents.shape
+    k = trees.num_mask_tokens
+    max_rows = int(trees.block_sizes().max()) if batch else 1
+    layouts = BlockLayouts(
+        num_rows=np.zeros(batch, np.int32),
+        position_offsets=np.zeros((batch, max_rows), np.int32),
+        attention_masks=np.zeros((batch, max_rows, max_rows), np.bool_),
+        mask_rows=np.full((batch, width, max(k, 1)), -1, np.int64),
+        depths=np.zeros((batch, width), np.int64))
+    layouts_kernel(trees.parents, trees.masked, trees.num_nodes, k, layouts.num_rows,
+                   layouts.position_offsets, layouts.attention_masks, layouts.mask_rows,
+                   layouts.depths)
+    return layouts
+
+
+# ------------------------------------------------------------ verification
+@njit(cache=True)
+def chains_kernel(parents, num_nodes, child_scores, out_chains, out_lengths):
+    for b in range(parents.shape[0]):
+        size = num_nodes[b]
+        best = np.full(size, -1, np.int64)
+        for t in range(1, size):
+            parent = parents[b, t]
+            if best[parent] < 0 or child_scores[b, t] > child_scores[b, best[parent]]:
+                best[parent] = t
+        node = 0
+        length = 0
+        while node >= 0:
+            out_chains[b, length] = node
+            length += 1
+            node = best[node]
+        out_lengths[b] = length
+
+
+def select_chains(trees: TreeBatch, child_scores: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Chain reduction for a batch (``core.verify.select_chain``): from the
+    root, repeatedly go to the child with the highest target score, lowest
+    node index on ties. ``child_scores[b, t]`` is the target's score
+    (logit) of node ``t``'s token at its parent's row. Returns the chains
+    ``[B, T]`` (node indices, root first) and their lengths (root
+    included)."""
+    batch, width = trees.parents.shape
+    chains = np.zeros((batch, width), np.int64)
+    lengths = np.zeros(batch, np.int64)
+    chains_kernel(trees.parents, trees.num_nodes, np.asarray(child_scores, np.float32),
+                  chains, lengths)
+    return chains, lengths
