@@ -53,6 +53,15 @@ from vllm_esp.profiling import scope
 from vllm_esp.proposer import ESPDraftTokenIds, ESPProposer
 from vllm_esp.step import ESPStep, set_current_step
 
+# Mask rows whose logits are worth computing in the main logits pass rather
+# than in a second one after verification. A second pass re-reads the whole
+# lm_head weight, which costs about as much as 2 * (FLOP rate / memory
+# bandwidth in bytes) extra rows of one pass: about 8 for fp32 weights on the
+# 2-core CPU this was measured on (benchmarks/step_cost.py). So when a step's
+# mask rows exceed the one row per block the probe needs by fewer than this,
+# all mask rows get logits in the main pass and the probe reads them there.
+FUSED_PROBE_EXTRA_ROWS = 8
+
 
 class ESPModelRunnerMixin:
     def _esp_init(self) -> None:
@@ -146,9 +155,14 @@ class ESPModelRunnerMixin:
         starts = np.cumsum(num_sampled) - num_sampled
         if self.drafter.structured_in_batch(self.input_batch.req_ids):
             self._esp_logit_starts = starts
+            step.fused_probe = True  # vLLM's rows cover whole blocks
             return spec_metadata.logits_indices
         counts = num_sampled.copy()
-        counts[step.batch_indices] = step.trees.num_nodes
+        mask_rows = step.layouts.num_rows.astype(np.int64) - step.trees.num_nodes
+        extra = int(mask_rows.sum()) - step.num_blocks * self.drafter.num_mask_tokens
+        step.fused_probe = bool(mask_rows.any()) and extra < FUSED_PROBE_EXTRA_ROWS
+        counts[step.batch_indices] = (step.layouts.num_rows if step.fused_probe
+                                      else step.trees.num_nodes)
         new_starts = np.cumsum(counts) - counts
         # Flat position of every kept logits row: vLLM's rows keep their
         # order; an ESP block keeps its first T rows (its nodes).
@@ -196,7 +210,7 @@ class ESPModelRunnerMixin:
             sampler_output = self.rejection_sampler(
                 chain_metadata, None, compact_logits, sampling_metadata)
         with scope("esp: after verification"):
-            self._esp_after_verification(step, chains, sampler_output)
+            self._esp_after_verification(step, chains, sampler_output, logits)
         return sampler_output
 
     def _esp_select_chains(self, step: ESPStep, logits: torch.Tensor):
@@ -252,7 +266,8 @@ class ESPModelRunnerMixin:
         return (torch.from_numpy(rows), torch.from_numpy(tokens.astype(np.int32)),
                 num_drafts)
 
-    def _esp_after_verification(self, step: ESPStep, chains, sampler_output) -> None:
+    def _esp_after_verification(self, step: ESPStep, chains, sampler_output,
+                                logits: torch.Tensor) -> None:
         num_emitted = (sampler_output.sampled_token_ids >= 0).sum(dim=1).cpu().numpy()
         accepted = num_emitted[step.batch_indices] - 1  # drafts accepted per block
         depth = np.arange(chains.shape[1])
@@ -272,9 +287,14 @@ class ESPModelRunnerMixin:
         if not probed.any():
             return
         with scope("esp: mask probe"):
-            rows = (step.row_starts[probed, None] + probe_rows[probed]).reshape(-1)
-            mask_logits = self.model.compute_logits(
-                step.hidden_states[torch.from_numpy(rows)])
+            if step.fused_probe:  # computed in the main pass, block rows in order
+                starts = self._esp_logit_starts[step.batch_indices[probed]]
+                rows = (starts[:, None] + probe_rows[probed]).reshape(-1)
+                mask_logits = logits[torch.from_numpy(rows)]
+            else:
+                rows = (step.row_starts[probed, None] + probe_rows[probed]).reshape(-1)
+                mask_logits = self.model.compute_logits(
+                    step.hidden_states[torch.from_numpy(rows)])
             tokens, log_probs = mask_candidates(
                 mask_logits.view(-1, k, mask_logits.shape[-1]),
                 self.drafter.candidate_width)

@@ -36,6 +36,9 @@ class ESPStep:
     num_rows: torch.Tensor
     tree_masks: torch.Tensor
     position_offsets: torch.Tensor
+    # Whether the mask rows get logits in the main pass (set with the
+    # logits rows, see vllm_esp.runner.FUSED_PROBE_EXTRA_ROWS).
+    fused_probe: bool = False
     # Filled after the forward.
     hidden_states: torch.Tensor | None = None
     slot_mappings: dict[str, torch.Tensor] | None = None
