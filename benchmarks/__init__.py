@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Spec-Bench benchmark harness for vllm-esp (``python -m benchmarks.spec_bench``).
 
 Modules:

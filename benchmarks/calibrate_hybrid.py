@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Measure the acceptance rates behind the hybrid tree's scores.
 
     ./run python -m benchmarks.calibrate_hybrid [--per-category 4] [--max-tokens 128]
@@ -66,9 +67,9 @@ def main(argv=None) -> int:
 
     from vllm_esp.config import ESPConfig
     from vllm_esp.core.sources import ESPMaskSource
-    from vllm_esp.data import chat_prompt_ids, load_spec_bench, select_questions
-    from vllm_esp.models import MODELS, model_path
     from vllm_esp.reference import ReferenceDecoder
+    from vllm_esp_dev.data import chat_prompt_ids, load_spec_bench, select_questions
+    from vllm_esp_dev.models import MODELS, model_path
 
     torch.set_num_threads(2)
     path = str(model_path(args.model)) if args.model in MODELS else args.model

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Optional: install arctic-inference, which vLLM's "suffix" speculative method
 # needs (vllm/v1/spec_decode/suffix_decoding.py imports
 # arctic_inference.suffix_decoding.SuffixDecodingCache). Not a dependency of

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Named speculative-decoding configurations the benchmark can run.
 
 Each method is one ``speculative_config`` (``None``: no speculation), run in
@@ -8,8 +9,9 @@ its own fresh vLLM engine. ``--methods`` takes names from ``METHODS``,
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -45,8 +47,9 @@ class Method:
         config = self.speculative_config or {}
         if config.get("method") != "ngram":
             return None
-        from vllm.v1.spec_decode.ngram_proposer import \
-            _find_longest_matched_ngram_and_propose_tokens as propose
+        from vllm.v1.spec_decode.ngram_proposer import (
+            _find_longest_matched_ngram_and_propose_tokens as propose,
+        )
 
         k = int(config["num_speculative_tokens"])
         lookup_min = int(config["prompt_lookup_min"])

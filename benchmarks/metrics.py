@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Benchmark arithmetic: pure functions over per-request records, no vLLM.
 
 Definitions (per request, then summed over requests: token-weighted)
@@ -71,8 +72,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 SPEC_COUNTER_NAMES = (
     "vllm:spec_decode_num_drafts",
@@ -105,7 +107,7 @@ class RequestRecord:
     def from_spec_metrics(cls, index: int, category: str,
                           output_token_ids: Sequence[int],
                           spec_metrics: Mapping[str, Any] | None,
-                          **timing: float | None) -> "RequestRecord":
+                          **timing: float | None) -> RequestRecord:
         """Build from vLLM's per-request spec-decode metrics: the dict of
         ``RequestSpecDecodeMetrics.to_dict()`` offline, or the response's
         ``metrics.speculative_decoding`` online (same keys)."""

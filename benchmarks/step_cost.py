@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What one decode or verification step costs: plain decoding, vLLM's own
 chain verification, and an ESP block, at the same number of rows.
 
@@ -149,7 +150,7 @@ class _Engine:
 
     def __init__(self, method: str, model: str, max_rows: int, dtype: str,
                  max_num_seqs: int, max_model_len: int) -> None:
-        from vllm_esp.runs import make_llm
+        from vllm_esp_dev.runs import make_llm
 
         self.method = method
         self.llm = make_llm(model, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -326,7 +327,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from vllm_esp.models import MODELS, model_path
+    from vllm_esp_dev.models import MODELS, model_path
 
     model = str(model_path(args.model)) if args.model in MODELS else args.model
     methods = ["esp"] if args.profile_only else list(args.methods)
@@ -368,7 +369,7 @@ def _measure_point(workers, batch: int, context: int, args) -> list[dict[str, An
     start_context = max(8, context - 8)
     limit = context + max(16, context // 8)
     seed = 1000 * batch + context
-    for method, worker in workers.items():
+    for worker in workers.values():
         worker.call("start", batch, start_context, seed)
     for round_number in range(args.repeats):
         order = list(args.rows) if round_number % 2 == 0 else list(reversed(args.rows))

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Where an engine step goes: a torch-profiler breakdown by part.
 
 ``profile_steps(step, n)`` runs ``step()`` ``n`` times under
@@ -13,7 +14,7 @@ scopes are on: ``profile_steps`` turns them on for its own steps only.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 PARTS = (
     "model matmuls",

@@ -1,16 +1,16 @@
-"""The main job: ESP beside plain vLLM on a handful of Spec-Bench prompts.
+# SPDX-License-Identifier: Apache-2.0
+"""The main job: vLLM with ESP beside vLLM without speculation.
 
-    ./run demo                              # bundled SmolLM2-135M, 6 prompts
-    ./run demo --dataset my/question.jsonl --num-prompts 10 --tree 29
+    ./run demo                                   # bundled model and prompts
+    ./run demo --num-prompts 26 --max-tokens 128
+    ./run demo --dataset path/to/spec_bench/question.jsonl --verbose
 
-Runs offline batch generation twice in this process (vLLM without
-speculation, then with ``speculative_config={"method": "esp", ...}``), greedy,
-fp32, prints each ESP output, tokens/s for both, ESP's tau (mean tokens per
-verification step, from vLLM's own spec-decode counters) and whether the
-outputs are token-identical, which greedy ESP must guarantee.
-
-Speed on a 2-core CPU depends on the block size; the default CPU tree
-``[4]`` is a 10-token block. Quote ratios from one run, not absolute times.
+Runs offline batch generation twice in this process (plain vLLM, then
+``speculative_config={"method": "esp"}``), greedy, fp32, on the project's
+bundled prompts (or Spec-Bench with ``--dataset``). Prints the answers, a
+table with tokens/s and tau (mean tokens per verification step, from vLLM's
+own spec-decode counters) and whether the outputs are token-identical, which
+greedy ESP must guarantee. Quote speed as the ratio from one run.
 """
 
 from __future__ import annotations
@@ -24,58 +24,71 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--model", default="smollm2-135m",
                         help="a bundled model name (smollm2-135m, gemma3-270m) "
                              "or a Hugging Face model folder")
     parser.add_argument("--dataset", default=None,
-                        help="Spec-Bench question.jsonl (default: "
-                             "../shared/data/spec_bench/question.jsonl)")
-    parser.add_argument("--num-prompts", type=int, default=6)
+                        help="a Spec-Bench question.jsonl (default: the 26 "
+                             "prompts bundled with vllm-esp)")
+    parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--tree", type=int, nargs="+", default=None,
-                        help="ESP per-level widths, e.g. 4 or 15 4")
-    parser.add_argument("--block-complexity", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="max_num_seqs for both engines")
+    parser.add_argument("--esp-config", default=None,
+                        help='extra ESP keys as JSON, e.g. \'{"block_complexity": 30}\'')
+    parser.add_argument("--verbose", action="store_true",
+                        help="keep vLLM's INFO logging")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import json
+
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from vllm_esp.data import chat_prompt_ids, load_spec_bench, select_questions
-    from vllm_esp.models import MODELS, model_path
-    from vllm_esp.runs import run_once
+    from vllm_esp_dev import data
+    from vllm_esp_dev.models import MODELS, model_path
+    from vllm_esp_dev.runs import run_once
+
+    try:
+        questions = data.load_questions(args.dataset)
+    except data.SpecBenchNotFound as missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
+    questions = data.select_questions(questions, per_category=len(questions),
+                                      limit=args.num_prompts)
+    esp_options = {"method": "esp", **json.loads(args.esp_config or "{}")}
 
     model = str(model_path(args.model)) if args.model in MODELS else args.model
-    questions = select_questions(load_spec_bench(args.dataset), per_category=1,
-                                 limit=args.num_prompts)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    prompts = [chat_prompt_ids(tokenizer, q) for q in questions]
+    prompts = [data.chat_prompt_ids(tokenizer, q) for q in questions]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-
-    esp_options = {"method": "esp"}
-    if args.tree:
-        esp_options["tree"] = args.tree
-    if args.block_complexity:
-        esp_options["block_complexity"] = args.block_complexity
-
-    print(f"model: {model}\nprompts: {len(prompts)} Spec-Bench questions, "
-          f"{args.max_tokens} new tokens each, greedy, fp32", flush=True)
-    plain = run_once(model, prompts, greedy, label="vLLM (no speculation)")
+    source = args.dataset or "bundled prompts"
+    print(f"model: {model}\nprompts: {len(prompts)} from {source}, "
+          f"{args.max_tokens} new tokens each, greedy, fp32, batch {args.batch_size}",
+          flush=True)
+    common = dict(max_num_seqs=args.batch_size, progress=True)
+    print("\n[1/2] vLLM, no speculation", flush=True)
+    plain = run_once(model, prompts, greedy, label="vLLM (no speculation)", **common)
+    print(f"\n[2/2] vLLM + ESP {esp_options}", flush=True)
     esp = run_once(model, prompts, greedy, speculative_config=esp_options,
-                   label=f"vLLM + ESP {esp_options}")
+                   label="vLLM + ESP", **common)
 
-    for index, (question, text) in enumerate(zip(questions, esp.texts)):
-        print(f"\n--- [{question['category']}] {question['turns'][0][:70]}")
+    for question, text in zip(questions, esp.texts):
+        print(f"\n--- [{question['category']}] {textwrap.shorten(question['turns'][0], 90)}")
         print(textwrap.indent(textwrap.shorten(text, 400), "    "))
 
     identical = [a == b for a, b in zip(plain.token_ids, esp.token_ids)]
-    print("\n| run | output tokens | tokens/s | tau |")
+    print("\n| run | output tokens | tokens/s | tau (tokens per step) |")
     print("|---|---|---|---|")
     for run in (plain, esp):
-        tau = f"{run.tau:.3f}" if run.tau else "-"
+        tau = f"{run.tau:.2f}" if run.tau else "-"
         print(f"| {run.label} | {run.num_output_tokens} | "
               f"{run.tokens_per_second:.1f} | {tau} |")
     print(f"\nESP speed vs no speculation: "

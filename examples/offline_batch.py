@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Offline batch inference with ESP speculative decoding.
 
     ./run python examples/offline_batch.py [MODEL]
@@ -16,7 +17,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 def main() -> None:
     from vllm import LLM, SamplingParams
 
-    from vllm_esp.models import model_path
+    from vllm_esp_dev.models import model_path
 
     model = sys.argv[1] if len(sys.argv) > 1 else str(model_path("smollm2-135m"))
     llm = LLM(

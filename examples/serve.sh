@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Serve the bundled SmolLM2-135M-Instruct with ESP on 127.0.0.1:8000 and ask
 # it one chat question. Run from the repository root: bash examples/serve.sh
 set -euo pipefail
@@ -6,7 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/env.sh
 export PATH="$PWD/.venv/bin:$PATH"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
-MODEL="$(python -m vllm_esp.models path smollm2-135m)"
+MODEL="$(python -m vllm_esp_dev.models path smollm2-135m)"
 
 vllm serve "$MODEL" --host 127.0.0.1 --port 8000 --max-model-len 2048 \
   --speculative-config '{"method": "esp", "tree": [4]}' &

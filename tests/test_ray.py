@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """ESP under tensor parallelism (TP=2) on vLLM's Ray executor, on CPU.
 
 Stock vLLM refuses Ray on the CPU platform (it has no Ray device key), so
@@ -28,7 +29,6 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from shm_files import remove_unused_shm_files, vllm_shm_files
 from test_serve import _counters, serve
 from test_tensor_parallel import (
@@ -145,8 +145,8 @@ def test_ray_tp2_tiny_llama(tiny_llama_dir, ray_tp2, speculative_config):
     _check_workers(reports)
 
 
-def test_ray_tp2_gemma3(ray_tp2, spec_bench):
-    model, prompts = _gemma3_prompts(spec_bench)
+def test_ray_tp2_gemma3(ray_tp2, questions):
+    model, prompts = _gemma3_prompts(questions)
     _, reports = _check_tp2_matches_tp1(
         model, prompts, {"method": "esp"}, executor="ray",
         worker_probe=ray_tp2.worker_report, **GEMMA3_KWARGS)
@@ -155,7 +155,7 @@ def test_ray_tp2_gemma3(ray_tp2, spec_bench):
 
 @pytest.fixture(scope="module")
 def tiny_llama_with_tokenizer(tmp_path_factory):
-    from vllm_esp.testing import make_tiny_llama
+    from vllm_esp_dev.testing import make_tiny_llama
 
     path = tmp_path_factory.mktemp("tiny_llama_tok")
     make_tiny_llama(path, seed=0, with_tokenizer=True)
@@ -168,7 +168,7 @@ def test_ray_tp2_serve_concurrent(ray_tp2, tiny_llama_with_tokenizer, tmp_path):
     TP=1 output."""
     from vllm import SamplingParams
 
-    from vllm_esp.runs import run_once
+    from vllm_esp_dev.runs import run_once
 
     model = tiny_llama_with_tokenizer
     prompts = _tiny_prompts()

@@ -1,6 +1,7 @@
+# SPDX-License-Identifier: Apache-2.0
 """Reference ESP decoder on a real model: SmolLM2-135M-Instruct (fp32).
 
-Greedy ESP must reproduce plain greedy decoding token for token on Spec-Bench
+Greedy ESP must reproduce plain greedy decoding token for token on the bundled
 prompts, for the paper's tree settings, and its proposals must actually be
 accepted (a broken mask path would still be lossless, but with tau ~ 1).
 
@@ -46,12 +47,12 @@ def smollm2_model(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def bench_prompts(spec_bench, smollm2_tokenizer):
-    """First question of each category, then second questions (16 prompts;
-    lengths 53 to 769 tokens)."""
-    from vllm_esp.data import chat_prompt_ids, select_questions
+def bench_prompts(questions, smollm2_tokenizer):
+    """First bundled question of each category, then second questions (16
+    prompts; 44 to 255 tokens)."""
+    from vllm_esp_dev.data import chat_prompt_ids
 
-    questions = select_questions(spec_bench, per_category=2, limit=NUM_PROMPTS)
+    questions = questions[:NUM_PROMPTS]
     return [chat_prompt_ids(smollm2_tokenizer, q) for q in questions]
 
 

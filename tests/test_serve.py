@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`vllm serve MODEL --speculative-config '{"method": "esp"}'` end to end:
 completions and chat, streaming and not, 32 concurrent requests whose greedy
 outputs equal vLLM's without speculation, and the spec-decode counters at
@@ -5,8 +6,10 @@ outputs equal vLLM's without speculation, and the spec-decode counters at
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import contextlib
+import io
 import json
 import os
 import re
@@ -20,7 +23,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from vllm_esp.runs import run_once
+from vllm_esp_dev.runs import run_once
 
 pytestmark = pytest.mark.vllm
 
@@ -112,6 +115,82 @@ def _counters(base) -> dict[str, float]:
     return values
 
 
+def _prompt_embeds(model_dir, token_ids) -> str:
+    """The model's own input embeddings of ``token_ids`` (SmolLM2 does not
+    scale them), as vLLM's API takes them: base64 of ``torch.save``."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as weights:
+        table = weights.get_tensor("model.embed_tokens.weight")
+    buffer = io.BytesIO()
+    torch.save(table[torch.tensor(token_ids)].clone(), buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _chat_ids(tokenizer, text):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
+
+
+def _plain_greedy(model, prompts):
+    from vllm import SamplingParams
+
+    return run_once(model, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                    max_num_seqs=16).token_ids
+
+
+def test_prompt_embeds_refused_as_without_esp_and_server_keeps_serving(
+        server, smollm2_tokenizer):
+    """ESP does not open the prompt-embeds input to clients: unless the user
+    enabled it, such a request gets vLLM's own 400, and the server goes on
+    answering correctly."""
+    base, model = server
+    prompt = _chat_ids(smollm2_tokenizer, "Name three colors.")
+    body = {"model": model, "prompt_embeds": _prompt_embeds(model, prompt),
+            "max_tokens": 8, "temperature": 0.0}
+    refused = requests.post(base + "/v1/completions", json=body, timeout=600)
+    assert refused.status_code == 400, refused.text
+    assert "--enable-prompt-embeds" in refused.text
+    # Malformed embeddings are refused too, without harm.
+    garbage = requests.post(base + "/v1/completions", timeout=600,
+                            json={**body, "prompt_embeds": "bm90IGEgdGVuc29y"})
+    assert garbage.status_code == 400, garbage.text
+    assert _complete(base, model, prompt)["token_ids"] == _plain_greedy(model, [prompt])[0]
+
+
+@pytest.fixture(scope="module")
+def embeds_server(smollm2_dir, tmp_path_factory):
+    """ESP (the default hybrid) with prompt embeddings enabled by the user."""
+    log_path = tmp_path_factory.mktemp("serve-embeds") / "server.log"
+    with serve([smollm2_dir, "--dtype", "float32", "--enforce-eager",
+                "--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "0",
+                "--enable-prompt-embeds",
+                "--speculative-config", json.dumps({"method": "esp"})],
+               log_path) as base:
+        yield base, smollm2_dir
+
+
+def test_user_enabled_prompt_embeds_work_with_esp(embeds_server, smollm2_tokenizer):
+    """With ``--enable-prompt-embeds`` a prompt given as embeddings is served
+    with ESP (its mask embedding starts from the given embeddings) and gives
+    plain greedy decoding's tokens; the server keeps serving."""
+    base, model = embeds_server
+    prompts = [_chat_ids(smollm2_tokenizer, text) for text in
+               ("Name three colors.", "Write two sentences about the sea.")]
+    expected = _plain_greedy(model, prompts)
+    before = _counters(base)
+    for prompt, plain in zip(prompts, expected):
+        body = {"model": model, "prompt_embeds": _prompt_embeds(model, prompt),
+                "max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True}
+        reply = requests.post(base + "/v1/completions", json=body, timeout=600)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["token_ids"] == plain
+    assert _counters(base)["num_drafts"] > before["num_drafts"]
+    assert _complete(base, model, prompts[0])["token_ids"] == expected[0]
+
+
 def test_completions_and_chat_streaming_and_not(server, smollm2_tokenizer):
     base, model = server
     prompt = smollm2_tokenizer.apply_chat_template(
@@ -138,14 +217,14 @@ def test_completions_and_chat_streaming_and_not(server, smollm2_tokenizer):
     assert "".join(pieces) == content
 
 
-def test_concurrent_requests_match_plain_vllm_and_metrics(server, spec_bench,
+def test_concurrent_requests_match_plain_vllm_and_metrics(server, questions,
                                                          smollm2_tokenizer):
     from vllm import SamplingParams
 
-    from vllm_esp.data import chat_prompt_ids, select_questions
+    from vllm_esp_dev.data import chat_prompt_ids
 
     base, model = server
-    questions = select_questions(spec_bench, per_category=3, limit=NUM_CONCURRENT)
+    questions = (questions * 2)[:NUM_CONCURRENT]  # 26 bundled; repeats are fine
     prompts = [chat_prompt_ids(smollm2_tokenizer, q) for q in questions]
     before = _counters(base)
     with concurrent.futures.ThreadPoolExecutor(NUM_CONCURRENT) as pool:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """ESP under tensor parallelism (TP=2) on vLLM's multiprocessing executor
 (the Ray executor runs the same checks in test_ray.py).
 
@@ -20,7 +21,7 @@ import os
 import pytest
 import torch
 
-from vllm_esp.runs import run_once
+from vllm_esp_dev.runs import run_once
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -61,7 +62,7 @@ def _check_tp2_matches_tp1(model, prompts, speculative_config, executor="mp",
     its workers only with VLLM_ALLOW_INSECURE_SERIALIZATION=1)."""
     from vllm import SamplingParams
 
-    from vllm_esp.runs import generate, make_llm, shutdown
+    from vllm_esp_dev.runs import generate, make_llm, shutdown
 
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     plain_tp1 = _tp1_run(model, prompts, params, None, "plain tp1", **llm_kwargs)
@@ -97,23 +98,52 @@ def test_tp2_tiny_llama(tiny_llama_dir, two_cpu_workers, speculative_config):
                            **TINY_KWARGS)
 
 
-def _gemma3_prompts(spec_bench):
+def _gemma3_prompts(questions):
     from transformers import AutoTokenizer
 
-    from vllm_esp.data import chat_prompt_ids, select_questions
-    from vllm_esp.models import model_path
+    from vllm_esp_dev.data import chat_prompt_ids
+    from vllm_esp_dev.models import model_path
 
     model = str(model_path("gemma3-270m"))
     tokenizer = AutoTokenizer.from_pretrained(model)
-    questions = select_questions(spec_bench, per_category=1, limit=NUM_PROMPTS)
+    questions = questions[:NUM_PROMPTS]
     return model, [chat_prompt_ids(tokenizer, q) for q in questions]
 
 
 GEMMA3_KWARGS = dict(max_model_len=2048, max_num_seqs=8)
 
 
-def test_tp2_gemma3(two_cpu_workers, spec_bench):
+def test_tp2_gemma3(two_cpu_workers, questions):
     """Gemma-3-270M: 4 query heads and a single KV head, which TP=2
     replicates on both ranks; sliding-window layers; scaled embeddings."""
-    model, prompts = _gemma3_prompts(spec_bench)
+    model, prompts = _gemma3_prompts(questions)
     _check_tp2_matches_tp1(model, prompts, {"method": "esp"}, **GEMMA3_KWARGS)
+
+
+def _mask_table_stats(worker):
+    mu, sigma = worker.model_runner.drafter._table_stats
+    return mu.tolist(), float(sigma)
+
+
+def test_tp2_sample_mask_init_fits_the_whole_vocabulary(tiny_llama_dir, two_cpu_workers,
+                                                       monkeypatch):
+    """``mask_init: sample`` fits its Gaussian to the embedding table: at
+    TP=2 each rank holds half the vocabulary, and both must still use the
+    statistics of the whole table (as TP=1 does)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from vllm_esp.core.mask_embedding import embedding_table_stats
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    config = {"method": "esp", "mask_init": "sample", "tree": [4], "candidates": ["esp"]}
+    _, probes = _check_tp2_matches_tp1(tiny_llama_dir, _tiny_prompts(), config,
+                                       worker_probe=_mask_table_stats, **TINY_KWARGS)
+    with safe_open(str(Path(tiny_llama_dir) / "model.safetensors"), "pt") as weights:
+        table = weights.get_tensor("model.embed_tokens.weight")
+    mu, sigma = embedding_table_stats(table)  # Llama does not scale embeddings
+    assert len(probes) == 2
+    for rank_mu, rank_sigma in probes:
+        torch.testing.assert_close(torch.tensor(rank_mu), mu, rtol=1e-5, atol=1e-6)
+        assert abs(rank_sigma - float(sigma)) < 1e-5 * float(sigma)

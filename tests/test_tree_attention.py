@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """ESP's CPU tree attention against a dense per-path reference.
 
 Random batches mix ESP blocks (random trees, some nodes masked, k = 1 or
@@ -248,8 +249,7 @@ def test_backend_forward_matches_reference_for_mixed_batches(seed, dtype, window
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
-    from vllm_esp.attention import (ESPCPUAttentionImpl,
-                                    ESPCPUAttentionMetadataBuilder)
+    from vllm_esp.attention import ESPCPUAttentionImpl, ESPCPUAttentionMetadataBuilder
 
     batch = build_batch(seed, dtype, window, 32)
     num_reqs = len(batch.requests)

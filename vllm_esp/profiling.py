@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Named profiler scopes for ESP's per-step work.
 
 ``scope("esp: tree attention")`` is vLLM's ``record_function_or_nullcontext``:

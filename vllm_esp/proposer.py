@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """ESP drafts for vLLM: the ``custom_class`` proposer and ESP's engine state.
 
 vLLM calls ``propose`` once per step, after the step's tokens are committed,
@@ -38,8 +39,12 @@ from vllm.v1.outputs import DraftTokenIds
 
 from vllm_esp.config import ESPConfig
 from vllm_esp.core.batch import TreeBatch, TreeProposer
-from vllm_esp.core.mask_embedding import (ema_update_packed, embedding_table_stats,
-                                          initial_mask_embedding)
+from vllm_esp.core.mask_embedding import (
+    ema_update_packed,
+    embedding_table_sums,
+    initial_mask_embedding,
+    table_stats_from_sums,
+)
 from vllm_esp.profiling import scope
 
 logger = logging.getLogger("vllm_esp")
@@ -346,15 +351,49 @@ class ESPProposer:
         if mode != "sample":
             return initial_mask_embedding(prompt_embeddings, mode)
         if self._table_stats is None:
-            weight = self.model.get_input_embeddings().weight
-            probe = self._embed([0])[0]
-            scale = float(probe.norm() / weight[0].float().norm().clamp(min=1e-12))
-            self._table_stats = embedding_table_stats(weight, scale)
+            self._table_stats = self._embedding_table_stats()
         mu, sigma = self._table_stats
         # A stable hash: every TP rank must draw the same vector.
         generator = torch.Generator().manual_seed(zlib.crc32(req_id.encode()))
         noise = torch.randn(mu.shape, generator=generator)
         return mu + sigma * noise
+
+    def _embedding_table_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sample``'s Gaussian, fitted to the whole vocabulary's embedding
+        table. Under tensor parallelism each rank holds a slice of the table
+        (padded to equal sizes): every rank sums its real rows and the sums
+        of all ranks are added, so every rank gets the same statistics."""
+        embedding = self.model.get_input_embeddings()
+        weight = embedding.weight
+        shard = getattr(embedding, "shard_indices", None)
+        if shard is None:
+            parts = [weight]
+        else:
+            added = shard.num_org_elements_padded
+            parts = [weight[:shard.num_org_elements],
+                     weight[added:added + shard.num_added_elements]]
+        sums = [embedding_table_sums(part) for part in parts]
+        hidden = weight.shape[1]
+        # One vector to all-reduce: [row sums (H), sum of squares, rows].
+        totals = torch.cat([sum(s[0] for s in sums).cpu(),
+                            sum(s[1] for s in sums).cpu().view(1),
+                            torch.tensor([float(sum(s[2] for s in sums))],
+                                         dtype=torch.float64)])
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+        if group.world_size > 1:
+            torch.distributed.all_reduce(totals, group=group.cpu_group)
+        # The embedding function's scale (Gemma multiplies by sqrt(hidden)):
+        # token 0's embedding against its table row, on the rank holding it.
+        probe = self._embed([0])[0]
+        row = torch.zeros(weight.shape[1], dtype=torch.float64)
+        if shard is None or shard.org_vocab_start_index == 0:
+            row = weight[0].double().cpu()
+        if group.world_size > 1:
+            torch.distributed.all_reduce(row, group=group.cpu_group)
+        scale = float(probe.norm() / row.norm().clamp(min=1e-12))
+        return table_stats_from_sums(totals[:hidden], totals[hidden], int(totals[-1]), scale)
 
     def _embed(self, token_ids: list[int]) -> torch.Tensor:
         """The model's own embedding function (scaling included), in fp32.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Reference ESP decoder on Hugging Face transformers (batch size 1).
 
 This is the executable specification the vLLM adapter is tested against. It
@@ -40,20 +41,27 @@ the masks of the last reached node), which matters for large vocabularies.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import torch
 
 from vllm_esp.config import ESPConfig
-from vllm_esp.core.mask_embedding import (MaskEmbeddingState,
-                                          initial_mask_embedding)
+from vllm_esp.core.mask_embedding import MaskEmbeddingState, initial_mask_embedding
 from vllm_esp.core.proposal import DraftTree
-from vllm_esp.core.sources import (CandidateSource, PromptLookupSource,
-                                   ProposalContext, candidate_source)
+from vllm_esp.core.sources import (
+    CandidateSource,
+    PromptLookupSource,
+    ProposalContext,
+    candidate_source,
+)
 from vllm_esp.core.tree import chain_tree
-from vllm_esp.core.verify import (VerifyResult, chain_verify_sampling,
-                                  greedy_verify, sample_and_match)
+from vllm_esp.core.verify import (
+    VerifyResult,
+    chain_verify_sampling,
+    greedy_verify,
+    sample_and_match,
+)
 
 __all__ = ["DecodeResult", "ReferenceDecoder"]
 

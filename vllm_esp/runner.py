@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The ESP model runner: one forward verifies a tree and probes the next one.
 
 A subclass of vLLM's (legacy V1) model runner, installed by the ESP worker.

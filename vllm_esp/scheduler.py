@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """ESP scheduler: vLLM's scheduler with spec-decode metrics in tree nodes.
 
 ESP reserves its whole verification block as draft slots: ``Q - 1`` of them,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One step's ESP blocks: the hand-off between the model runner, its
 attention backend and the verification.
 
@@ -45,7 +46,7 @@ class ESPStep:
 
     @classmethod
     def build(cls, batch_indices: np.ndarray, slots: np.ndarray, trees: TreeBatch,
-              row_starts: np.ndarray, root_positions: np.ndarray) -> "ESPStep":
+              row_starts: np.ndarray, root_positions: np.ndarray) -> ESPStep:
         layouts = block_layouts(trees)
         return cls(
             batch_indices=batch_indices,

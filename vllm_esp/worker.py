@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """ESP workers, selected through vLLM's ``worker_cls`` hook.
 
 The ESP engine-args translation sets ``worker_cls`` to one of these only when

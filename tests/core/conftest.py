@@ -1,10 +1,10 @@
+# SPDX-License-Identifier: Apache-2.0
 """Fixtures for the ESP core tests."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
 from tiny_models import get_model
 
 

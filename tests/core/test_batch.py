@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Batched ESP (core.batch) against the per-request algorithms.
 
 The engine proposes, lays out and reduces the trees of a whole batch in one

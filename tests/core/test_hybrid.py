@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Hybrid trees: ESP mask candidates + prompt-lookup candidates in one block."""
 
 from __future__ import annotations
@@ -9,14 +10,23 @@ import pytest
 import torch
 
 from vllm_esp.config import ESPConfig, ESPConfigError
-from vllm_esp.core.hybrid import (LOOKUP_MAX_CHAINS, allocate_block,
-                                  find_ngram_matches,
-                                  hybrid_next_tree, lookup_candidates,
-                                  lookup_chains, merge_candidates)
+from vllm_esp.core.hybrid import (
+    LOOKUP_MAX_CHAINS,
+    allocate_block,
+    find_ngram_matches,
+    hybrid_next_tree,
+    lookup_candidates,
+    lookup_chains,
+    merge_candidates,
+)
 from vllm_esp.core.proposal import dynamic_next_tree, esp_candidates, select_tree
-from vllm_esp.core.sources import (ESPMaskSource, HybridSource,
-                                   PromptLookupSource, ProposalContext,
-                                   candidate_source)
+from vllm_esp.core.sources import (
+    ESPMaskSource,
+    HybridSource,
+    PromptLookupSource,
+    ProposalContext,
+    candidate_source,
+)
 
 X, THE, CAT, SAT, DOT, IS, WAS = range(7)
 VOCAB = 10

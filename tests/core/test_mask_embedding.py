@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Mask embedding initialisation and EMA."""
 
 from __future__ import annotations
@@ -5,10 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_esp.core.mask_embedding import (MaskEmbeddingState, ema_update,
-                                          ema_update_packed,
-                                          embedding_table_stats,
-                                          initial_mask_embedding)
+from vllm_esp.core.mask_embedding import (
+    MaskEmbeddingState,
+    ema_update,
+    ema_update_packed,
+    embedding_table_stats,
+    initial_mask_embedding,
+)
 
 
 def _sequential(m, embeddings, ema):

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The core package and the reference decoder must not import vLLM."""
 
 from __future__ import annotations

@@ -1,14 +1,19 @@
+# SPDX-License-Identifier: Apache-2.0
 """Next-tree construction: static top-1 expansion, dynamic best-first, placeholder."""
 
 from __future__ import annotations
-
 
 import pytest
 import torch
 
 from vllm_esp.config import ESPConfig
-from vllm_esp.core.proposal import (DraftTree, dynamic_next_tree, next_tree,
-                                    placeholder_tree, static_next_tree)
+from vllm_esp.core.proposal import (
+    DraftTree,
+    dynamic_next_tree,
+    next_tree,
+    placeholder_tree,
+    static_next_tree,
+)
 from vllm_esp.core.tree import static_tree
 
 

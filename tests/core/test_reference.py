@@ -1,11 +1,12 @@
+# SPDX-License-Identifier: Apache-2.0
 """The reference decoder on tiny random models: tree attention, losslessness."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
 from tiny_models import VOCAB_SIZE, get_model
+
 from vllm_esp.config import ESPConfig
 from vllm_esp.core.proposal import DraftTree
 from vllm_esp.core.sources import ProposalContext

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Candidate sources: prompt lookup and the ESP mask source."""
 
 from __future__ import annotations
@@ -8,9 +9,13 @@ import torch
 
 from vllm_esp.config import ESPConfig
 from vllm_esp.core.proposal import placeholder_tree, static_next_tree
-from vllm_esp.core.sources import (CandidateSource, ESPMaskSource,
-                                   PromptLookupSource, ProposalContext,
-                                   find_ngram_continuation)
+from vllm_esp.core.sources import (
+    CandidateSource,
+    ESPMaskSource,
+    PromptLookupSource,
+    ProposalContext,
+    find_ngram_continuation,
+)
 from vllm_esp.core.tree import chain_tree
 
 A, B, C, D, E, F = range(1, 7)

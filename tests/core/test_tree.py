@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tree shapes and block layouts on worked examples."""
 
 from __future__ import annotations
@@ -5,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_esp.core.tree import (TreeSpec, block_complexity, block_layout,
-                                chain_tree, static_tree)
+from vllm_esp.core.tree import TreeSpec, block_complexity, block_layout, chain_tree, static_tree
 
 STATIC_WIDTHS = [(4,), (29,), (15, 4), (3, 2, 1)]
 IRREGULAR = TreeSpec((-1, 0, 0, 1, 1, 2, 3, 3, 6), num_mask_tokens=2)
@@ -63,7 +63,9 @@ def test_layout_worked_example():
     assert layout.mask_number.tolist() == [0, 0, 0, 0] + [1, 2] * 4
     assert layout.children.tolist() == [[1, 2], [3, -1], [-1, -1], [-1, -1]]
     assert layout.num_children.tolist() == [2, 1, 0, 0]
-    sees = lambda row: torch.nonzero(layout.attention_mask[row]).flatten().tolist()
+    def sees(row):
+        return torch.nonzero(layout.attention_mask[row]).flatten().tolist()
+
     assert sees(3) == [0, 1, 3]           # n3: root, parent, itself
     assert sees(2) == [0, 2]
     assert sees(7) == [0, 1, 6, 7]        # mask 2 of n1: n1's view, n1, masks 1..2

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Verification: greedy on hand-built trees, and losslessness of sampling."""
 
 from __future__ import annotations
@@ -9,8 +10,13 @@ import torch
 
 from vllm_esp.core.proposal import DraftTree
 from vllm_esp.core.tree import TreeSpec, chain_tree, static_tree
-from vllm_esp.core.verify import (chain_rejection_sample, chain_verify_sampling,
-                                  greedy_verify, sample_and_match, select_chain)
+from vllm_esp.core.verify import (
+    chain_rejection_sample,
+    chain_verify_sampling,
+    greedy_verify,
+    sample_and_match,
+    select_chain,
+)
 
 V = 10
 THE, CAT, DOG, SAT, RAN, ON = range(6)
@@ -68,8 +74,8 @@ def test_select_chain_follows_highest_child_logit():
     tree = DraftTree(TreeSpec((-1, 0, 0, 1, 2, 2), 0),
                      torch.tensor([THE, CAT, DOG, SAT, RAN, ON]))
     logits = torch.zeros(6, V)
-    logits[0, DOG] = 2.0; logits[0, CAT] = 1.0
-    logits[2, ON] = 3.0; logits[2, RAN] = 3.0        # tie: lower index (node 4, RAN)
+    logits[0, DOG], logits[0, CAT] = 2.0, 1.0
+    logits[2, ON], logits[2, RAN] = 3.0, 3.0        # tie: lower index (node 4, RAN)
     assert select_chain(tree, logits).tolist() == [0, 2, 4]
     assert select_chain(tree, torch.softmax(logits, -1)).tolist() == [0, 2, 4]
 
@@ -77,7 +83,7 @@ def test_select_chain_follows_highest_child_logit():
 def test_chain_rejection_sample_extremes():
     g = torch.Generator().manual_seed(0)
     certain = torch.zeros(3, V)
-    certain[0, CAT] = 1; certain[1, SAT] = 1; certain[2, ON] = 1
+    certain[0, CAT] = certain[1, SAT] = certain[2, ON] = 1
     assert chain_rejection_sample(torch.tensor([CAT, SAT]), certain, g) == (2, [CAT, SAT, ON])
     impossible = torch.full((2, V), 1.0 / (V - 1))
     impossible[0, DOG] = 0

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tiny random transformers models for the ESP core tests (built once per session)."""
 
 from __future__ import annotations

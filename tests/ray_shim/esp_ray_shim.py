@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Test-only shim: lets vLLM's Ray executor place TP workers on CPU.
 
 Not part of vllm-esp. vLLM's Ray executors (0.32) find their devices through

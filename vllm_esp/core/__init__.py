@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Engine-independent ESP: pure functions on tensors, no vLLM import.
 
 * ``tree``: tree shapes (``TreeSpec``) and the verification block layout
@@ -12,19 +13,42 @@
 adapter runs the same functions inside vLLM's model runner.
 """
 
-from vllm_esp.core.mask_embedding import (MaskEmbeddingState, ema_update,
+from vllm_esp.core.mask_embedding import (
+                                          MaskEmbeddingState,
+                                          ema_update,
                                           ema_update_packed,
                                           embedding_table_stats,
-                                          initial_mask_embedding)
-from vllm_esp.core.proposal import (DraftTree, dynamic_next_tree, next_tree,
-                                    placeholder_tree, static_next_tree)
-from vllm_esp.core.sources import (CandidateSource, ESPMaskSource,
-                                   PromptLookupSource, ProposalContext)
-from vllm_esp.core.tree import (BlockLayout, TreeSpec, block_complexity,
-                                block_layout, chain_tree, static_tree)
-from vllm_esp.core.verify import (VerifyResult, chain_rejection_sample,
-                                  chain_verify_sampling, greedy_verify,
-                                  sample_and_match, select_chain)
+                                          initial_mask_embedding,
+)
+from vllm_esp.core.proposal import (
+                                          DraftTree,
+                                          dynamic_next_tree,
+                                          next_tree,
+                                          placeholder_tree,
+                                          static_next_tree,
+)
+from vllm_esp.core.sources import (
+                                          CandidateSource,
+                                          ESPMaskSource,
+                                          PromptLookupSource,
+                                          ProposalContext,
+)
+from vllm_esp.core.tree import (
+                                          BlockLayout,
+                                          TreeSpec,
+                                          block_complexity,
+                                          block_layout,
+                                          chain_tree,
+                                          static_tree,
+)
+from vllm_esp.core.verify import (
+                                          VerifyResult,
+                                          chain_rejection_sample,
+                                          chain_verify_sampling,
+                                          greedy_verify,
+                                          sample_and_match,
+                                          select_chain,
+)
 
 __all__ = [
     "BlockLayout", "CandidateSource", "DraftTree", "ESPMaskSource",

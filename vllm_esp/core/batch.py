@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """ESP for a whole batch at once: next trees, block layouts, chain selection.
 
 The engine adapter calls these once per step for every request, in the
@@ -29,21 +30,32 @@ Worked example, two requests, ESP alone with ``tree=[2]`` (k = 1)::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
 from numba import njit
 
 from vllm_esp.config import ESPConfig
-from vllm_esp.core.hybrid import (ESP_WEIGHT, LOOKUP_ACCEPT, LOOKUP_MAX_CHAINS,
-                                  LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM, MASK_VALUE,
-                                  allocate_kernel, lookup_chains_kernel,
-                                  merge_chain_kernel)
-from vllm_esp.core.proposal import (DraftTree, bfs_tree_kernel,
-                                    esp_candidates_kernel, select_kernel,
-                                    static_tree_kernel)
+from vllm_esp.core.hybrid import (
+    ESP_WEIGHT,
+    LOOKUP_ACCEPT,
+    LOOKUP_MAX_CHAINS,
+    LOOKUP_MAX_NGRAM,
+    LOOKUP_MIN_NGRAM,
+    MASK_VALUE,
+    allocate_kernel,
+    lookup_chains_kernel,
+    merge_chain_kernel,
+)
+from vllm_esp.core.proposal import (
+    DraftTree,
+    bfs_tree_kernel,
+    esp_candidates_kernel,
+    select_kernel,
+    static_tree_kernel,
+)
 from vllm_esp.core.tree import TreeSpec
 
 __all__ = [
@@ -74,7 +86,7 @@ class TreeBatch:
     num_mask_tokens: int
 
     @classmethod
-    def empty(cls, batch_size: int, max_nodes: int, num_mask_tokens: int) -> "TreeBatch":
+    def empty(cls, batch_size: int, max_nodes: int, num_mask_tokens: int) -> TreeBatch:
         return cls(np.full((batch_size, max_nodes), -1, np.int64),
                    np.zeros((batch_size, max_nodes), np.int64),
                    np.zeros((batch_size, max_nodes), np.bool_),
@@ -82,7 +94,7 @@ class TreeBatch:
 
     @classmethod
     def from_trees(cls, trees: Sequence[DraftTree | None], num_mask_tokens: int
-                   ) -> "TreeBatch":
+                   ) -> TreeBatch:
         width = max([1] + [t.num_nodes for t in trees if t is not None])
         batch = cls.empty(len(trees), width, num_mask_tokens)
         for i, tree in enumerate(trees):
@@ -141,7 +153,7 @@ class HybridParams:
     def make(cls, block_size: int, num_mask_tokens: int, candidates: Sequence[str],
              esp_weight: float = ESP_WEIGHT,
              lookup_accept: Sequence[float] = LOOKUP_ACCEPT,
-             mask_value: float = MASK_VALUE) -> "HybridParams":
+             mask_value: float = MASK_VALUE) -> HybridParams:
         use_esp = "esp" in candidates
         return cls(int(block_size), int(num_mask_tokens) if use_esp else 0, use_esp,
                    "ngram" in candidates, math.log(esp_weight),

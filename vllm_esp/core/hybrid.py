@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Hybrid draft trees: ESP mask candidates and prompt-lookup candidates in
 one verification block, under one node budget.
 
@@ -60,15 +61,17 @@ scores only decide which candidates get the budget.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from numba import njit
 
-from vllm_esp.core.proposal import (DraftTree, ScoredCandidates,
-                                    esp_candidates_kernel, mask_candidates,
-                                    select_tree, tree_from_candidates)
+from vllm_esp.core.proposal import (
+    DraftTree,
+    ScoredCandidates,
+    mask_candidates,
+)
 
 __all__ = [
     "LOOKUP_MAX_NGRAM",

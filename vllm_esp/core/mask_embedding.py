@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The soft mask embedding: initialisation and exponential moving average.
 
 ESP feeds one vector ``m`` (computed, never trained) into every mask row of
@@ -32,6 +33,8 @@ __all__ = [
     "MASK_INIT_MODES",
     "initial_mask_embedding",
     "embedding_table_stats",
+    "embedding_table_sums",
+    "table_stats_from_sums",
     "ema_update",
     "ema_update_packed",
     "MaskEmbeddingState",
@@ -98,6 +101,15 @@ def embedding_table_stats(embedding_weight: torch.Tensor,
     Computed in fp32 chunks so a 262k-row bf16 table is never copied whole.
     Callers that draw many samples should cache the result.
     """
+    total, total_sq, count = embedding_table_sums(embedding_weight)
+    return table_stats_from_sums(total, total_sq, count, embedding_scale)
+
+
+def embedding_table_sums(embedding_weight: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(sum of rows [H], sum of squares [], rows)`` in float64: sums of
+    several slices of a table (tensor-parallel shards) add up to the
+    table's."""
     vocab_size, hidden_size = embedding_weight.shape
     total = torch.zeros(hidden_size, dtype=torch.float64, device=embedding_weight.device)
     total_sq = torch.zeros((), dtype=torch.float64, device=embedding_weight.device)
@@ -106,9 +118,17 @@ def embedding_table_stats(embedding_weight: torch.Tensor,
         rows = embedding_weight[start:start + chunk].double()
         total += rows.sum(dim=0)
         total_sq += (rows * rows).sum()
-    mu = total / vocab_size
+    return total, total_sq, vocab_size
+
+
+def table_stats_from_sums(total: torch.Tensor, total_sq: torch.Tensor, count: int,
+                          embedding_scale: float = 1.0
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``embedding_table_stats`` from ``embedding_table_sums``."""
+    hidden_size = total.shape[0]
+    mu = total / count
     # E|x - mu|^2 / H = (E|x|^2 - |mu|^2) / H for one scalar variance.
-    variance = (total_sq / vocab_size - (mu * mu).sum()) / hidden_size
+    variance = (total_sq / count - (mu * mu).sum()) / hidden_size
     sigma = variance.clamp(min=0).sqrt()
     return ((mu * embedding_scale).float(), (sigma * abs(embedding_scale)).float())
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Building the next draft tree from the mask rows' logits.
 
 After verification, the ``k`` mask rows of the last reached node ``n_a`` hold
@@ -34,16 +35,15 @@ request, which is what the reference decoder and the tests use.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
 from numba import njit
 
 from vllm_esp.config import ESPConfig
-from vllm_esp.core.tree import (BlockLayout, TreeSpec, block_layout,
-                                static_tree)
+from vllm_esp.core.tree import BlockLayout, TreeSpec, block_layout, static_tree
 
 __all__ = [
     "DraftTree",
@@ -131,7 +131,7 @@ class ScoredCandidates:
         return int(self.parents.numel())
 
     @classmethod
-    def from_arrays(cls, parents, tokens, scores, depths, count) -> "ScoredCandidates":
+    def from_arrays(cls, parents, tokens, scores, depths, count) -> ScoredCandidates:
         return cls(torch.from_numpy(parents[:count].copy()),
                    torch.from_numpy(tokens[:count].copy()),
                    torch.from_numpy(scores[:count].copy()),

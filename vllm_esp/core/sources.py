@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Candidate sources: where the tokens of a step's draft tree come from.
 
 A source sees the request's history and the mask logits of the last step and
@@ -20,8 +21,9 @@ verifies the root alone, a plain decoding step). Two sources exist:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Draft-tree shapes and the block layout ESP verifies in one forward pass.
 
 ESP (Embedding-Space Probing, arXiv 2603.17942) verifies a small *tree* of
@@ -51,8 +52,8 @@ unchanged.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Lossless verification of a draft tree against the target's distributions.
 
 Every function here takes the ``DraftTree`` that was fed to the model and the
@@ -30,8 +31,8 @@ does for chains).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A test-only candidate source that knows the right answer.
 
 Given the greedy continuations of plain decoding, it builds each step's tree

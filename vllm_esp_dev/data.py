@@ -1,8 +1,15 @@
-"""Spec-Bench prompts, read from disk (never fetched, never copied here).
+# SPDX-License-Identifier: Apache-2.0
+"""Prompts: the bundled set and Spec-Bench.
 
-Default location: ``$VLLM_ESP_SPEC_BENCH``, else ``../shared/data/spec_bench/
-question.jsonl`` beside the repository. Spec-Bench is Apache-2.0; its LICENSE
-sits beside the file.
+``bundled_prompts()`` are 26 questions written for this project, two in each
+of Spec-Bench's 13 categories, in Spec-Bench's format (``prompts.jsonl``
+beside this file). The demo and the default tests use them, so a fresh clone
+needs nothing beside it.
+
+Spec-Bench is read from disk, never fetched and never copied into the
+repository: ``--dataset PATH``, else ``$VLLM_ESP_SPEC_BENCH``, else
+``../shared/data/spec_bench/question.jsonl`` beside the repository.
+Spec-Bench is Apache-2.0; its LICENSE sits beside the file.
 """
 
 from __future__ import annotations
@@ -12,6 +19,17 @@ import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+BUNDLED_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
+
+
+def bundled_prompts() -> list[dict]:
+    """The project's own 26 questions (2 per Spec-Bench category)."""
+    return _read_jsonl(BUNDLED_PROMPTS)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    with path.open(encoding="utf-8") as lines:
+        return [json.loads(line) for line in lines if line.strip()]
 
 
 def default_spec_bench_path() -> Path:
@@ -24,12 +42,27 @@ def default_spec_bench_path() -> Path:
 def load_spec_bench(path: str | Path | None = None) -> list[dict]:
     """All questions: dicts with ``question_id``, ``category``, ``turns``."""
     path = Path(path) if path else default_spec_bench_path()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"Spec-Bench questions not found at {path}. Pass --dataset PATH "
-            "or set VLLM_ESP_SPEC_BENCH to a question.jsonl file.")
-    with path.open(encoding="utf-8") as lines:
-        return [json.loads(line) for line in lines if line.strip()]
+    if not path.is_file():
+        raise SpecBenchNotFound(
+            f"Spec-Bench questions not found at {path}. This command needs "
+            "Spec-Bench's question.jsonl (https://github.com/hemingkx/Spec-Bench, "
+            "data/spec_bench/question.jsonl, Apache-2.0). Pass --dataset PATH or "
+            "set VLLM_ESP_SPEC_BENCH=PATH.")
+    return _read_jsonl(path)
+
+
+class SpecBenchNotFound(FileNotFoundError):
+    pass
+
+
+def load_questions(dataset: str | None) -> list[dict]:
+    """``dataset`` = "bundled" (or None) for the bundled prompts, "spec-bench"
+    for Spec-Bench at its default location, else a question.jsonl path."""
+    if dataset in (None, "bundled"):
+        return bundled_prompts()
+    if dataset == "spec-bench":
+        return load_spec_bench()
+    return load_spec_bench(dataset)
 
 
 def categories(questions: list[dict]) -> list[str]:
