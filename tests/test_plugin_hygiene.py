@@ -60,3 +60,21 @@ def test_non_esp_runs_unchanged_by_plugin(tiny_llama_dir, tmp_path):
         assert with_plugin[label]["tokens"] == without_plugin[label]["tokens"]
         assert with_plugin[label]["counters"] == without_plugin[label]["counters"]
     assert with_plugin["ngram"]["counters"]["vllm:spec_decode_num_drafts"] > 0
+
+
+def test_runtime_plugin_does_not_import_dev_tools():
+    """The modules an ESP engine loads never import the development tools
+    (model converter, metadata-alias writer, test proposers) nor gguf."""
+    code = textwrap.dedent("""
+        import sys
+        import vllm_esp.plugin
+        vllm_esp.plugin.register()
+        import vllm_esp.worker, vllm_esp.runner, vllm_esp.proposer
+        import vllm_esp.attention, vllm_esp.scheduler
+        loaded = sorted(m for m in sys.modules
+                        if m.split(".")[0] in ("vllm_esp_dev", "gguf"))
+        print("LOADED", loaded)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                            text=True, timeout=300)
+    assert "LOADED []" in result.stdout, result.stdout + result.stderr[-3000:]
