@@ -109,7 +109,8 @@ class SizedTreeSource:
         self.candidate_width = MAX_ROWS // 2
 
     def propose(self, histories, history_rows, history_starts, history_ends, roots,
-                cand_tokens, cand_log_probs, has_candidates, vocab_size, out=None):
+                cand_tokens, cand_log_probs, has_candidates, vocab_size, out=None,
+                **unused):
         from vllm_esp.core.batch import TreeBatch
 
         rows = _ROWS["value"]

@@ -33,7 +33,9 @@ from typing import Any
 from vllm_esp.config import ESPConfig, ESPConfigError
 from vllm_esp.patching import apply_patch, check_vllm_version
 
-logger = logging.getLogger("vllm_esp")
+# Under "vllm." so that vLLM's logging configuration (format, level,
+# VLLM_LOGGING_LEVEL) applies to ESP's messages too.
+logger = logging.getLogger("vllm.esp")
 
 PROPOSER_CLS = "vllm_esp.proposer.ESPProposer"
 SCHEDULER_CLS = "vllm_esp.scheduler.ESPScheduler"
@@ -66,9 +68,9 @@ def translate_esp_engine_args(engine_args: Any, platform: str) -> ESPConfig:
     if requested_slots is not None and requested_slots != esp_config.num_draft_slots:
         raise ESPConfigError(
             "ESP speculative_config: 'num_speculative_tokens' is derived from "
-            f"the block ((num_mask_tokens + 1) * (1 + sum(tree)) - 1 = "
-            f"{esp_config.num_draft_slots}); got {requested_slots}. Leave it "
-            "out, or set 'tree' / 'block_complexity' instead."
+            f"the largest block (its rows - 1 = {esp_config.num_draft_slots}); "
+            f"got {requested_slots}. Leave it out, or set 'tree', "
+            "'block_complexity' or 'max_block_complexity' instead."
         )
     if engine_args.pipeline_parallel_size > 1:
         raise ESPConfigError(
@@ -112,12 +114,18 @@ def translate_esp_engine_args(engine_args: Any, platform: str) -> ESPConfig:
         "esp": esp_config.to_dict(),
     }
     engine_args.worker_cls = WORKER_CLS[platform]
-    logger.info(
-        "ESP enabled: %s; block of %d tokens per request per step "
-        "(%d tree nodes incl. root, %d mask token(s) per node)",
-        esp_config.to_dict(), esp_config.block_size, esp_config.num_nodes,
-        esp_config.num_mask_tokens,
-    )
+    if esp_config.auto:
+        logger.info(
+            "ESP enabled: %s; blocks sized per request and step for goodput, "
+            "0 to %d rows (%d mask token(s) per masked node)",
+            esp_config.to_dict(), esp_config.block_size, esp_config.num_mask_tokens)
+    else:
+        logger.info(
+            "ESP enabled: %s; block of %d tokens per request per step "
+            "(%d tree nodes incl. root, %d mask token(s) per node)",
+            esp_config.to_dict(), esp_config.block_size, esp_config.num_nodes,
+            esp_config.num_mask_tokens,
+        )
     return esp_config
 
 

@@ -25,6 +25,11 @@ from vllm_esp.config import ESPConfig, ESPConfigError
     ({"mask_init": "random"}, ["mask_init", "mean | last | sample | zero"]),
     ({"ema": 1.5}, ["ema", "[0, 1]"]),
     ({"ema": "0.1"}, ["ema"]),
+    ({"block_complexity": "big"}, ["block_complexity", "auto"]),
+    ({"max_block_complexity": 200}, ["max_block_complexity", "4 to 129"]),
+    ({"tree": [4], "max_block_complexity": 16}, ["max_block_complexity", "auto"]),
+    ({"block_complexity": 20, "max_block_complexity": 16}, ["max_block_complexity"]),
+    ({"tree": [4], "block_complexity": "auto"}, ["'tree'", "exclusive"]),
 ])
 def test_bad_options_name_key_and_allowed_values(options, must_mention):
     with pytest.raises(ESPConfigError) as error:
@@ -34,12 +39,20 @@ def test_bad_options_name_key_and_allowed_values(options, must_mention):
 
 
 def test_defaults_and_geometry():
-    cpu = ESPConfig.from_dict({})
-    assert (cpu.num_mask_tokens, cpu.tree, cpu.block_size) == (1, (4,), 10)
+    default = ESPConfig.from_dict({})
+    # auto: blocks sized per step, up to 32 rows (vLLM reserves 31 slots).
+    assert default.auto and default.tree is None
+    assert (default.num_mask_tokens, default.block_size, default.num_draft_slots) == (1, 32, 31)
+    assert default.candidates == ("esp", "ngram")
+    assert ESPConfig.from_dict({"block_complexity": "auto"}) == default
+    capped = ESPConfig.from_dict({"max_block_complexity": 16})
+    assert capped.auto and capped.block_size == 16
+    assert ESPConfig.from_dict({"tree": [4]}).block_size == 10
     assert ESPConfig.from_dict({"tree": [15, 4]}).num_draft_slots == 59
     dynamic = ESPConfig.from_dict({"block_complexity": 30})
     assert (dynamic.num_nodes, dynamic.node_budget, dynamic.block_size) == (15, 14, 30)
-    assert ESPConfig.from_dict({"num_mask_tokens": 2}).tree == (3, 1)
+    two_masks = ESPConfig.from_dict({"num_mask_tokens": 2})
+    assert two_masks.auto and two_masks.block_size == 30  # 10 nodes x 3 rows
 
 
 def _engine_args(**kwargs):
@@ -85,7 +98,7 @@ def test_unservable_combinations_refused(kwargs, must_mention):
 def test_num_speculative_tokens_must_match_block():
     from vllm_esp.patches.engine_args import translate_esp_engine_args
 
-    ok = _engine_args(speculative_config={"method": "esp", "num_speculative_tokens": 9})
+    ok = _engine_args(speculative_config={"method": "esp", "num_speculative_tokens": 31})
     translate_esp_engine_args(ok, "cpu")
     bad = _engine_args(speculative_config={"method": "esp", "num_speculative_tokens": 5})
     with pytest.raises(ESPConfigError, match="num_speculative_tokens"):

@@ -68,11 +68,13 @@ ESP_CONFIGS = [
     {"block_complexity": 10, "candidates": ["esp", "ngram"]},
     pytest.param({"block_complexity": 30, "candidates": ["esp", "ngram"]},
                  marks=pytest.mark.slow),
+    # The default: 'auto' block sizes (goodput per step, up to 32 rows).
+    {},
 ]
 
 
 @pytest.mark.parametrize("options", ESP_CONFIGS, ids=[
-    "tree4", "tree29", "tree15-4", "bc30", "hybrid-bc10", "hybrid-bc30"])
+    "tree4", "tree29", "tree15-4", "bc30", "hybrid-bc10", "hybrid-bc30", "auto"])
 def test_greedy_lossless_under_continuous_batching(
         smollm2_dir, prompts, greedy_params, baseline, options):
     esp = run_once(smollm2_dir, prompts, greedy_params,
@@ -84,7 +86,8 @@ def test_greedy_lossless_under_continuous_batching(
 
     config = ESPConfig.from_dict(options)
     assert esp.num_drafts > 0
-    # Every verification step proposes at most T - 1 tree nodes (a hybrid
+    # Every verification step proposes at most T - 1 tree nodes (for 'auto',
+    # T is the cap) (a hybrid
     # tree may spend every row but the root on nodes; chain fallbacks propose
     # fewer), and vLLM's counters count nodes, not masks.
     drafted = esp.counters["vllm:spec_decode_num_draft_tokens"]

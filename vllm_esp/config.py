@@ -21,6 +21,12 @@ the nodes likely to be the last accepted one, so a hybrid tree has between
 paper's ESP alone.
 With ``block_complexity`` instead of ``tree`` the tree is built dynamically
 (paper Algorithm 1) with node budget ``T - 1 = BC // (k + 1) - 1``.
+
+The default is ``"block_complexity": "auto"``: every step sizes each
+request's block for the step's goodput (``core.goodput``), from zero draft
+rows (a plain step) up to ``max_block_complexity`` rows. Internally an auto
+config is a dynamic one whose ``block_complexity`` is that cap, with
+``auto=True``.
 """
 
 from __future__ import annotations
@@ -43,7 +49,13 @@ ALLOWED_KEYS = (
     "mask_init",
     "ema",
     "candidates",
+    "max_block_complexity",
 )
+AUTO = "auto"
+# The largest block 'auto' may give one request. On the 2-core CPU this was
+# built on, the goodput allocation rarely wants more than ~20 rows even at
+# batch 1; larger caps only reserve KV slots (num_speculative_tokens).
+DEFAULT_MAX_BLOCK_COMPLEXITY = 32
 # vLLM's RejectionSampler asserts at most 128 drafts per request, and our
 # fallback path hands it whole blocks as chains.
 MAX_DRAFT_SLOTS = 128
@@ -77,6 +89,8 @@ class ESPConfig:
     # Where tree candidates come from: ESP's mask rows and/or prompt lookup
     # (the hybrid, vllm_esp.core.hybrid). Stored in CANDIDATE_SOURCES order.
     candidates: tuple[str, ...] = field(default=("esp",))
+    # Goodput-sized blocks per request and step, up to block_complexity rows.
+    auto: bool = False
 
     def __post_init__(self) -> None:
         self._validate()
@@ -96,6 +110,25 @@ class ESPConfig:
             )
         tree = options.get("tree")
         block_complexity = options.get("block_complexity")
+        auto = block_complexity == AUTO or (tree is None and block_complexity is None)
+        if "max_block_complexity" in options and not auto:
+            raise ESPConfigError(
+                "ESP speculative_config: 'max_block_complexity' caps the "
+                "'auto' block size; it cannot be combined with 'tree' or an "
+                "int 'block_complexity'. Allowed: leave 'block_complexity' "
+                "out or set it to \"auto\".")
+        if auto:
+            block_complexity = options.get("max_block_complexity",
+                                           DEFAULT_MAX_BLOCK_COMPLEXITY)
+            if tree is not None:
+                raise ESPConfigError(
+                    "ESP speculative_config: 'tree' and 'block_complexity' "
+                    "\"auto\" are exclusive. Give 'tree' (a static tree), an "
+                    "int 'block_complexity' (a fixed dynamic tree), or neither "
+                    "(auto).")
+        elif block_complexity is not None and isinstance(block_complexity, str):
+            raise _fail("block_complexity", block_complexity,
+                        f"\"auto\" or an int from 4 to {MAX_DRAFT_SLOTS + 1}")
         if tree is not None and block_complexity is not None:
             raise ESPConfigError(
                 "ESP speculative_config: 'tree' and 'block_complexity' are "
@@ -116,8 +149,6 @@ class ESPConfig:
             num_mask_tokens = 1
         _check_int("num_mask_tokens", num_mask_tokens, 1, MAX_MASK_TOKENS)
 
-        if tree is None and block_complexity is None:
-            tree = DEFAULT_TREES[num_mask_tokens]
         candidates = options.get("candidates", list(DEFAULT_CANDIDATES))
         if (isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence)
                 or not candidates
@@ -131,6 +162,7 @@ class ESPConfig:
             num_mask_tokens=num_mask_tokens,
             tree=tree,
             block_complexity=block_complexity,
+            auto=auto,
             mask_init=options.get("mask_init", "mean"),
             ema=options.get("ema", 0.1),
             candidates=tuple(c for c in CANDIDATE_SOURCES if c in candidates),
@@ -159,7 +191,8 @@ class ESPConfig:
         else:
             low = 2 * (k + 1)
             high = MAX_DRAFT_SLOTS + 1
-            _check_int("block_complexity", self.block_complexity, low, high,
+            _check_int("max_block_complexity" if self.auto else "block_complexity",
+                       self.block_complexity, low, high,
                        hint=f" (with num_mask_tokens={k}: at least 2 tree "
                        f"nodes, block at most {high} tokens)")
         if self.mask_init not in MASK_INITS:
@@ -226,7 +259,8 @@ class ESPConfig:
         return cls(
             num_mask_tokens=data["num_mask_tokens"],
             tree=None if tree is None else tuple(tree),
-            block_complexity=data.get("block_complexity"),
+            block_complexity=data.get("max_block_complexity", data.get("block_complexity")),
+            auto=data.get("block_complexity") == AUTO,
             mask_init=data["mask_init"],
             ema=data["ema"],
             candidates=tuple(data.get("candidates", ("esp",))),
@@ -241,6 +275,9 @@ class ESPConfig:
         }
         if self.tree is not None:
             out["tree"] = list(self.tree)
+        elif self.auto:
+            out["block_complexity"] = AUTO
+            out["max_block_complexity"] = self.block_complexity
         else:
             out["block_complexity"] = self.block_complexity
         return out

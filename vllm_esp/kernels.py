@@ -30,7 +30,9 @@ from pathlib import Path
 
 import torch
 
-logger = logging.getLogger("vllm_esp")
+# Under "vllm." so that vLLM's logging configuration (format, level,
+# VLLM_LOGGING_LEVEL) applies to ESP's messages too.
+logger = logging.getLogger("vllm.esp")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "tree_attention.cpp"
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU build; without it the

@@ -15,7 +15,9 @@ import logging
 
 from vllm_esp.patching import installed_vllm_version, vllm_version_supported
 
-logger = logging.getLogger("vllm_esp")
+# Under "vllm." so that vLLM's logging configuration (format, level,
+# VLLM_LOGGING_LEVEL) applies to ESP's messages too.
+logger = logging.getLogger("vllm.esp")
 _registered = False
 
 

@@ -39,6 +39,7 @@ from vllm.v1.outputs import DraftTokenIds
 
 from vllm_esp.config import ESPConfig
 from vllm_esp.core.batch import TreeBatch, TreeProposer
+from vllm_esp.core.goodput import AcceptanceCalibration, StepBudget, StepCostModel
 from vllm_esp.core.mask_embedding import (
     ema_update_packed,
     embedding_table_sums,
@@ -47,7 +48,9 @@ from vllm_esp.core.mask_embedding import (
 )
 from vllm_esp.profiling import scope
 
-logger = logging.getLogger("vllm_esp")
+# Under "vllm." so that vLLM's logging configuration (format, level,
+# VLLM_LOGGING_LEVEL) applies to ESP's messages too.
+logger = logging.getLogger("vllm.esp")
 
 # Token id of the mask slots in a draft list. Any valid id works (those rows
 # are fed the soft embedding); it must not be -1, vLLM's padding.
@@ -82,6 +85,47 @@ def tree_proposer_from_vllm(vllm_config, esp_config: ESPConfig):
     logger.warning("ESP: tree proposer overridden by %s (testing hook)",
                    override["class"])
     return source_cls(esp_config, **override.get("kwargs", {}))
+
+
+class AutoStats:
+    """Rows per step and the chosen budget, logged every ``interval`` s."""
+
+    def __init__(self, interval: float = 30.0) -> None:
+        import time
+
+        self._clock = time.monotonic
+        self.interval = interval
+        self._last = self._clock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.num_steps = self.num_rows = self.num_blocks = 0
+        self.block_rows = self.accepted = 0
+
+    def blocks(self, block_sizes: np.ndarray, accepted: np.ndarray) -> None:
+        self.num_blocks += int(block_sizes.shape[0])
+        self.block_rows += int(block_sizes.sum())
+        self.accepted += int(accepted.sum())
+
+    def step(self, rows: int, proposer: ESPProposer) -> None:
+        self.num_steps += 1
+        self.num_rows += rows
+        now = self._clock()
+        if now - self._last < self.interval:
+            return
+        self._last = now
+        cost = proposer.cost_model
+        esp_scale, lookup_scale = proposer.calibration.scales
+        logger.info(
+            "ESP: %d steps, %.1f rows per step; %d blocks of %.1f rows, %.2f "
+            "accepted per block%s; calibration esp x%.2f, lookup x%.2f",
+            self.num_steps, self.num_rows / max(self.num_steps, 1), self.num_blocks,
+            self.block_rows / max(self.num_blocks, 1),
+            self.accepted / max(self.num_blocks, 1),
+            "" if cost is None else
+            f"; step cost {cost.fixed * 1e3:.1f} ms + {cost.per_row * 1e3:.2f} ms/row",
+            esp_scale, lookup_scale)
+        self._reset()
 
 
 def has_structured_output(request) -> bool:
@@ -129,6 +173,14 @@ class ESPProposer:
         # for good).
         self.structured = np.zeros(slots, np.bool_)
         self.no_block = np.zeros(slots, np.bool_)
+        # 'auto' block complexity: the step-cost model (set by the runner
+        # from its start-up profile) and the sources' calibration.
+        self.auto = config.auto
+        self.cost_model: StepCostModel | None = None
+        self.calibration = AcceptanceCalibration()
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.max_step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self.stats = AutoStats()
 
     # ------------------------------------------------------------ engine glue
     def load_model(self, model) -> None:
@@ -176,7 +228,7 @@ class ESPProposer:
         pending = self.pending
         self.pending = TreeBatch.empty(new, pending.parents.shape[1],
                                        pending.num_mask_tokens)
-        for name in ("parents", "tokens", "masked", "num_nodes"):
+        for name in ("parents", "tokens", "masked", "num_nodes", "reach", "sources"):
             getattr(self.pending, name)[:old] = getattr(pending, name)
         self.pending_drafts += [None] * old
         embeddings = self.mask_embeddings
@@ -266,17 +318,24 @@ class ESPProposer:
         input_batch = runner.input_batch
         ends = input_batch.num_tokens_no_spec[indices].astype(np.int64)
         token_ids = input_batch.token_ids_cpu
+        # Near max_model_len a request's block shrinks to what still fits
+        # (the scheduler would cut it), instead of speculation stopping for
+        # the whole batch.
+        row_caps = self.max_model_len - ends
         trees = self.tree_proposer.propose(
             token_ids, indices, self.history_starts[active_slots], ends,
             token_ids[indices, ends - 1].astype(np.int64),
             self.cand_tokens[active_slots], self.cand_log_probs[active_slots],
-            self.has_candidates[active_slots], runner.model_config.get_vocab_size())
+            self.has_candidates[active_slots], runner.model_config.get_vocab_size(),
+            row_caps=row_caps, budget=self._step_budget(len(req_ids)))
         pending = self.pending
         width = trees.parents.shape[1]
         pending.parents[active_slots, :width] = trees.parents
         pending.tokens[active_slots, :width] = trees.tokens
         pending.masked[active_slots, :width] = trees.masked
         pending.num_nodes[active_slots] = trees.num_nodes
+        pending.reach[active_slots, :width] = trees.reach
+        pending.sources[active_slots, :width] = trees.sources
         block_sizes = trees.block_sizes()
         for row, slot in enumerate(active_slots):
             num_nodes = int(trees.num_nodes[row])
@@ -291,6 +350,39 @@ class ESPProposer:
         if with_masks.any():
             self._update_mask_embeddings([req_ids[i] for i in indices[with_masks]],
                                          active_slots[with_masks])
+
+    def _step_budget(self, num_requests: int) -> StepBudget | None:
+        if not self.auto or self.cost_model is None:
+            return None
+        esp_scale, lookup_scale = self.calibration.scales
+        return StepBudget(self.cost_model.fixed, self.cost_model.per_row,
+                          base_rows=num_requests, max_total_rows=self.max_step_tokens,
+                          esp_scale=float(esp_scale), lookup_scale=float(lookup_scale))
+
+    def observe_verification(self, trees: TreeBatch, chains: np.ndarray,
+                             accepted: np.ndarray) -> None:
+        """Calibrate the sources' estimates on one step's verified blocks:
+        every drafted node, and whether it was on the accepted path."""
+        if trees.reach is None:
+            return
+        width = trees.parents.shape[1]
+        drafted = np.arange(width)[None, :] < trees.num_nodes[:, None]
+        drafted[:, 0] = False  # the root is not a draft
+        on_path = np.zeros_like(drafted)
+        depth = np.arange(chains.shape[1])
+        block, position = np.nonzero((depth[None, :] >= 1)
+                                     & (depth[None, :] <= accepted[:, None]))
+        on_path[block, chains[block, position]] = True
+        self.calibration.observe(trees.sources[drafted].astype(np.int64),
+                                 trees.reach[drafted].astype(np.float64),
+                                 on_path[drafted])
+        self.stats.blocks(trees.block_sizes(), accepted)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """One decode step's measured time, for the cost model."""
+        if self.cost_model is not None:
+            self.cost_model.observe(rows, seconds)
+        self.stats.step(rows, self)
 
     def _isolate_failure(self, req_ids, slots, active) -> None:
         """A proposal error must not take the engine down: find the

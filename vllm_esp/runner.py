@@ -42,6 +42,13 @@ CPU (vLLM 0.32.0).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -49,10 +56,19 @@ from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_esp.core.batch import TreeBatch, select_chains
+from vllm_esp.core.goodput import StepCostModel
 from vllm_esp.core.proposal import mask_candidates
 from vllm_esp.profiling import scope
 from vllm_esp.proposer import ESPDraftTokenIds, ESPProposer
 from vllm_esp.step import ESPStep, set_current_step
+
+# Under "vllm." so that vLLM's logging configuration (format, level,
+# VLLM_LOGGING_LEVEL) applies to ESP's messages too.
+logger = logging.getLogger("vllm.esp")
+
+# Token counts the start-up profile times one forward for ('auto' blocks).
+PROFILE_TOKENS = (1, 8, 32, 64, 128)
+PROFILE_REPEATS = 3
 
 # Mask rows whose logits are worth computing in the main logits pass rather
 # than in a second one after verification. A second pass re-reads the whole
@@ -81,6 +97,9 @@ class ESPModelRunnerMixin:
         self.drafter.bind(self)
         self._esp_step: ESPStep | None = None
         self._esp_logit_starts: np.ndarray | None = None
+        self._esp_step_started: float | None = None
+        self._esp_step_rows = 0
+        self._esp_tensor_parallel = self.parallel_config.tensor_parallel_size > 1
 
     # ---------------------------------------------------------------- states
     def _update_states(self, scheduler_output):
@@ -113,7 +132,8 @@ class ESPModelRunnerMixin:
         pending = drafter.pending
         trees = TreeBatch(pending.parents[slots], pending.tokens[slots],
                           pending.masked[slots], pending.num_nodes[slots],
-                          pending.num_mask_tokens)
+                          pending.num_mask_tokens, pending.reach[slots],
+                          pending.sources[slots])
         # The scheduler may cut a block short of its rows (token budget,
         # max_model_len); the runner only sees whole blocks here, because the
         # drafts matched, but checks the row count all the same.
@@ -122,7 +142,8 @@ class ESPModelRunnerMixin:
             batch_indices, slots = batch_indices[whole], slots[whole]
             trees = TreeBatch(trees.parents[whole], trees.tokens[whole],
                               trees.masked[whole], trees.num_nodes[whole],
-                              trees.num_mask_tokens)
+                              trees.num_mask_tokens, trees.reach[whole],
+                              trees.sources[whole])
             if batch_indices.size == 0:
                 return None
         step = ESPStep.build(
@@ -173,8 +194,83 @@ class ESPModelRunnerMixin:
         self._esp_logit_starts = new_starts
         return vllm_rows[torch.from_numpy(starts[request] + within)]
 
+    # ------------------------------------------------------- step cost model
+    def esp_profile_step_cost(self) -> None:
+        """The 'auto' cost model's prior: one forward's time at a few token
+        counts, measured once per model, dtype and machine and cached under
+        ``~/.cache/vllm-esp/step-cost``. The online fit corrects it from
+        the engine's own step times (single-rank engines; under tensor
+        parallelism every rank must size blocks identically, so the ranks
+        average the profile and keep it)."""
+        if not self.esp_config.auto:
+            return
+        key = json.dumps([str(self.model_config.model), str(self.model_config.dtype),
+                          platform.machine(), platform.processor(), os.cpu_count(),
+                          torch.get_num_threads(), self.parallel_config.tensor_parallel_size,
+                          PROFILE_TOKENS])
+        cache = (Path(os.environ.get("VLLM_ESP_CACHE", Path.home() / ".cache" / "vllm-esp"))
+                 / "step-cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json"))
+        points = None
+        if cache.is_file():
+            try:
+                points = json.loads(cache.read_text())["points"]
+            except (OSError, ValueError, KeyError):
+                points = None
+        if points is None:
+            started = time.perf_counter()
+            points = self._esp_time_forwards()
+            try:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                cache.write_text(json.dumps({"key": key, "points": points}))
+            except OSError:
+                pass
+            logger.info("ESP: profiled the step cost in %.1f s", time.perf_counter() - started)
+        rows, seconds = np.asarray(points, np.float64).T
+        self.drafter.cost_model = model = StepCostModel.fit(rows, seconds)
+        logger.info("ESP auto blocks: step cost prior %.2f ms + %.3f ms per row (%s)",
+                    model.fixed * 1e3, model.per_row * 1e3, cache)
+
+    def _esp_time_forwards(self) -> list[list[float]]:
+        limit = min(self.max_num_tokens, self.scheduler_config.max_num_batched_tokens)
+        points = []
+        for num_tokens in [n for n in PROFILE_TOKENS if n <= limit]:
+            self._dummy_run(num_tokens, force_attention=True)
+            times = []
+            for _ in range(PROFILE_REPEATS):
+                started = time.perf_counter()
+                self._dummy_run(num_tokens, force_attention=True)
+                times.append(time.perf_counter() - started)
+            points.append([float(num_tokens), float(np.median(times))])
+        if self._esp_tensor_parallel:
+            from vllm.distributed import get_tp_group
+
+            values = torch.tensor([p[1] for p in points], dtype=torch.float64)
+            group = get_tp_group()
+            torch.distributed.all_reduce(values, group=group.cpu_group)
+            values /= group.world_size
+            points = [[p[0], float(v)] for p, v in zip(points, values)]
+        return points
+
+    def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
+        """vLLM stops drafting for the whole batch once the longest request
+        plus ``num_speculative_tokens`` passes ``max_model_len``. ESP sizes
+        each request's block to what fits (``ESPProposer``), so the batch
+        keeps speculating."""
+        return common_attn_metadata is not None
+
     # --------------------------------------------------------------- forward
     def execute_model(self, scheduler_output, intermediate_tensors=None):
+        self._esp_step_started = None
+        if self.drafter.auto and not self._esp_tensor_parallel:
+            # Only steps of decoding requests (no prefill chunk) teach the
+            # cost model: their rows are blocks and roots.
+            rows = scheduler_output.total_num_scheduled_tokens
+            drafts = sum(len(d) for d in
+                         scheduler_output.scheduled_spec_decode_tokens.values())
+            if (rows and not scheduler_output.scheduled_new_reqs
+                    and rows == len(scheduler_output.num_scheduled_tokens) + drafts):
+                self._esp_step_started = time.perf_counter()
+                self._esp_step_rows = rows
         try:
             output = super().execute_model(scheduler_output, intermediate_tensors)
         finally:
@@ -183,6 +279,13 @@ class ESPModelRunnerMixin:
         if step is not None and self.execute_model_state is not None:
             step.hidden_states = self.execute_model_state.hidden_states
             step.slot_mappings = self.execute_model_state.slot_mappings
+        return output
+
+    def sample_tokens(self, grammar_output):
+        output = super().sample_tokens(grammar_output)
+        started, self._esp_step_started = self._esp_step_started, None
+        if started is not None:
+            self.drafter.observe_step(self._esp_step_rows, time.perf_counter() - started)
         return output
 
     # ---------------------------------------------------------------- verify
@@ -280,6 +383,7 @@ class ESPModelRunnerMixin:
             self._relocate_kv(step, step.row_starts[block] + chains[block, moved_depth],
                               step.row_starts[block] + moved_depth)
         last_node = chains[np.arange(step.num_blocks), accepted]
+        self.drafter.observe_verification(step.trees, chains, accepted)
         k = self.drafter.num_mask_tokens
         if k == 0:
             return

@@ -13,6 +13,13 @@ to tree nodes:
     num_accepted_tokens = accepted nodes
 
 and vLLM's mean acceptance length (1 + accepted / drafts) equals ESP's tau.
+
+Under KV pressure, blocks yield first: before each step, drafts that would
+need KV blocks the pool no longer has are dropped (largest first) so that a
+request is decoded plainly this step rather than another one preempted
+(``_fit_drafts_to_free_kv``). Plain vLLM would preempt only for the tokens
+it must decode; ESP then preempts no more than that, up to the blocks its
+rejected rows still hold.
 The runner tells the scheduler how many of each request's drafts are tree
 nodes (``ESPDraftTokenIds``). A block the scheduler then truncates (token
 budget, ``max_model_len``) is verified as a plain chain and reported as one.
@@ -52,6 +59,48 @@ class ESPScheduler(Scheduler):
         # req_id -> (scheduled draft slots, tree nodes) for the step being
         # processed by update_from_output.
         self._esp_step_counts: dict[str, tuple[int, int]] = {}
+        # Blocks dropped for lack of KV blocks (see _fit_drafts_to_free_kv).
+        self.esp_dropped_blocks = 0
+
+    def schedule(self, *args, **kwargs):
+        self._fit_drafts_to_free_kv()
+        return super().schedule(*args, **kwargs)
+
+    def _fit_drafts_to_free_kv(self) -> None:
+        running = self.running
+        drafting = [r for r in running if r.spec_token_ids]
+        if not drafting:
+            return
+        block_size = self.block_size
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        # Cheap bound first: every request crossing a block boundary with
+        # its root and every draft in new blocks.
+        worst = len(running) + sum(-(-len(r.spec_token_ids) // block_size) + 1
+                                   for r in drafting)
+        if worst <= free:
+            return
+
+        def blocks(tokens: int) -> int:
+            return -(-tokens // block_size)
+
+        def allocated(request) -> int:
+            return len(self.kv_cache_manager.get_block_ids(request.request_id)[0])
+
+        plain_need = sum(max(0, blocks(r.num_tokens) - allocated(r)) for r in running)
+        extra = []
+        for request in drafting:
+            have = max(allocated(request), blocks(request.num_tokens))
+            need = blocks(request.num_tokens + len(request.spec_token_ids)) - have
+            if need > 0:
+                extra.append((need, request))
+        room = free - plain_need
+        total = sum(need for need, _ in extra)
+        for need, request in sorted(extra, key=lambda item: -item[0]):
+            if total <= room:
+                break
+            request.spec_token_ids = []  # a plain step for it, this time
+            total -= need
+            self.esp_dropped_blocks += 1
 
     def update_draft_token_ids(self, draft_token_ids) -> None:
         super().update_draft_token_ids(draft_token_ids)

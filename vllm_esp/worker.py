@@ -74,3 +74,8 @@ class ESPCPUWorker(CPUWorker):
 
         with _cpu_runner_class(ESPCPUModelRunner):
             super().init_device()
+
+    def compile_or_warm_up_model(self):
+        times = super().compile_or_warm_up_model()
+        self.model_runner.esp_profile_step_cost()
+        return times

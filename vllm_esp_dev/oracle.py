@@ -47,7 +47,8 @@ class OracleSource:
         self.candidate_width = 1
 
     def propose(self, histories, history_rows, history_starts, history_ends, roots,
-                cand_tokens, cand_log_probs, has_candidates, vocab_size, out=None):
+                cand_tokens, cand_log_probs, has_candidates, vocab_size, out=None,
+                **unused):
         trees = [self.propose_one(ProposalContext(
                      histories[row, start:end], int(root)))
                  for row, start, end, root in zip(history_rows, history_starts,

@@ -38,6 +38,7 @@ import torch
 from numba import njit
 
 from vllm_esp.config import ESPConfig
+from vllm_esp.core.goodput import StepBudget, allocate_rows
 from vllm_esp.core.hybrid import (
     ESP_WEIGHT,
     LOOKUP_ACCEPT,
@@ -84,13 +85,19 @@ class TreeBatch:
     masked: np.ndarray     # [B, T] bool
     num_nodes: np.ndarray  # [B] int64
     num_mask_tokens: int
+    # Hybrid proposals only: each node's estimated chance of acceptance and
+    # its candidate source (core.goodput.SOURCE_*), for calibration.
+    reach: np.ndarray | None = None    # [B, T] float32
+    sources: np.ndarray | None = None  # [B, T] int8
 
     @classmethod
     def empty(cls, batch_size: int, max_nodes: int, num_mask_tokens: int) -> TreeBatch:
         return cls(np.full((batch_size, max_nodes), -1, np.int64),
                    np.zeros((batch_size, max_nodes), np.int64),
                    np.zeros((batch_size, max_nodes), np.bool_),
-                   np.zeros(batch_size, np.int64), num_mask_tokens)
+                   np.zeros(batch_size, np.int64), num_mask_tokens,
+                   np.zeros((batch_size, max_nodes), np.float32),
+                   np.zeros((batch_size, max_nodes), np.int8))
 
     @classmethod
     def from_trees(cls, trees: Sequence[DraftTree | None], num_mask_tokens: int
@@ -164,24 +171,38 @@ class HybridParams:
 @njit(cache=True)
 def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_log_probs,
                        vocab_size, block_size, num_mask_tokens, use_esp, use_lookup,
-                       esp_log_weight, lookup_accept, mask_value, max_chains,
-                       capacity, out_parents, out_tokens, out_masked):
+                       esp_log_weight, lookup_log_scale, lookup_accept, mask_value,
+                       max_chains, capacity, root_alone, out_parents, out_tokens,
+                       out_masked, out_gains, out_reach, out_sources):
     """One request's hybrid tree (``core.hybrid``); returns its node count,
-    0 when no source has a candidate."""
-    budget = block_size - 1
+    0 when no source has a candidate (unless ``root_alone``: then the root
+    alone, whose masks the allocation may still choose).
+
+    Also writes each row's gain in allocation order (``out_gains``, ``rows
+    - 1`` entries, see ``core.goodput``) and each node's estimated reach and
+    source tag (``out_reach``, ``out_sources``, BFS order)."""
+    budget = max(block_size - 1, 0)
     parents = np.empty(capacity, np.int64)
     tokens = np.empty(capacity, np.int64)
     scores = np.empty(capacity, np.float32)
     depths = np.empty(capacity, np.int64)
+    sources = np.zeros(capacity, np.int8)
     chain_tokens = np.empty((max_chains, budget), np.int64)
     chain_scores = np.empty((max_chains, budget), np.float32)
     chain_lengths = np.empty(max_chains, np.int64)
     num_chains = 0
-    if use_lookup:
+    if use_lookup and budget > 0:
         num_chains = lookup_chains_kernel(history, budget, max_chains, LOOKUP_MAX_NGRAM,
                                           LOOKUP_MIN_NGRAM, lookup_accept, chain_tokens,
                                           chain_scores, chain_lengths)
+        for c in range(num_chains):
+            for d in range(chain_lengths[c]):
+                chain_scores[c, d] += np.float32(lookup_log_scale)
     first_chain = 0
+    parents[0] = -1
+    tokens[0] = root_token
+    scores[0] = 0.0
+    depths[0] = 0
     if use_esp and has_candidates:
         count = esp_candidates_kernel(cand_tokens, cand_log_probs, budget, root_token,
                                       vocab_size, parents, tokens, scores, depths)
@@ -191,31 +212,38 @@ def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_lo
     elif num_chains > 0:
         # No mask candidates (first step after prefill, or the last accepted
         # node had no masks), or lookup alone: the first chain is the tree.
-        parents[0] = -1
-        tokens[0] = root_token
-        scores[0] = 0.0
-        depths[0] = 0
         for d in range(chain_lengths[0]):
             parents[d + 1] = d
             tokens[d + 1] = chain_tokens[0, d]
             scores[d + 1] = chain_scores[0, d]
             depths[d + 1] = d + 1
+            sources[d + 1] = 1
         count = chain_lengths[0] + 1
         first_chain = 1
+    elif root_alone:
+        count = 1
     else:
         return 0
     for c in range(first_chain, num_chains):
         count = merge_chain_kernel(parents, tokens, scores, depths, count,
-                                   chain_tokens[c], chain_scores[c], chain_lengths[c])
+                                   chain_tokens[c], chain_scores[c], chain_lengths[c],
+                                   sources, 1)
     kept = np.empty(count, np.int64)
     masked = np.zeros(count, np.bool_)
     if use_esp:
         num_kept = allocate_kernel(parents, scores, depths, count, block_size,
-                                   num_mask_tokens, mask_value, kept, masked)
+                                   num_mask_tokens, mask_value, kept, masked, out_gains)
     else:
         num_kept = select_kernel(scores, depths, count, budget, kept)
-    return bfs_tree_kernel(parents, tokens, depths, masked, kept, num_kept,
+        for i in range(1, num_kept):
+            out_gains[i - 1] = math.exp(scores[kept[i]])
+    size = bfs_tree_kernel(parents, tokens, depths, masked, kept, num_kept,
                            out_parents, out_tokens, out_masked)
+    order = kept[:num_kept][np.argsort(depths[kept[:num_kept]], kind="mergesort")]
+    for i in range(num_kept):
+        out_reach[i] = 1.0 if i == 0 else math.exp(scores[order[i]])
+        out_sources[i] = sources[order[i]]
+    return size
 
 
 def hybrid_tree(params: HybridParams, history: np.ndarray, root_token: int,
@@ -230,12 +258,15 @@ def hybrid_tree(params: HybridParams, history: np.ndarray, root_token: int,
     out_parents = np.empty(capacity, np.int64)
     out_tokens = np.empty(capacity, np.int64)
     out_masked = np.empty(capacity, np.bool_)
+    out_gains = np.empty(max(params.block_size, 1), np.float64)
+    out_reach = np.empty(capacity, np.float32)
+    out_sources = np.empty(capacity, np.int8)
     size = hybrid_tree_kernel(
         np.asarray(history, np.int64), root_token, has_candidates, cand_tokens,
         cand_log_probs, vocab_size or 0, params.block_size, params.num_mask_tokens,
-        params.use_esp, params.use_lookup, params.esp_log_weight, params.lookup_accept,
-        params.mask_value, params.max_chains, capacity, out_parents, out_tokens,
-        out_masked)
+        params.use_esp, params.use_lookup, params.esp_log_weight, 0.0,
+        params.lookup_accept, params.mask_value, params.max_chains, capacity, False,
+        out_parents, out_tokens, out_masked, out_gains, out_reach, out_sources)
     if size == 0:
         return None
     masked = tuple(out_masked[:size].tolist()) if params.use_esp else None
@@ -248,32 +279,64 @@ def hybrid_tree(params: HybridParams, history: np.ndarray, root_token: int,
 @njit(cache=True)
 def propose_batch_kernel(mode, histories, history_rows, history_starts, history_ends,
                          roots, has_candidates, cand_tokens, cand_log_probs, vocab_size,
-                         widths, node_budget, block_size, num_mask_tokens, use_esp,
-                         use_lookup, esp_log_weight, lookup_accept, mask_value,
-                         max_chains, capacity, placeholder_parents, out_parents,
-                         out_tokens, out_masked, out_num_nodes):
+                         widths, node_budget, block_sizes, num_mask_tokens, use_esp,
+                         use_lookup, esp_log_weight, lookup_log_scale, lookup_accept,
+                         mask_value, max_chains, capacity, root_alone,
+                         placeholder_parents, out_parents, out_tokens, out_masked,
+                         out_num_nodes, out_gains, out_num_gains, out_reach, out_sources):
     """Next trees of ``roots.shape[0]`` requests; request ``i``'s history
-    is ``histories[history_rows[i], history_starts[i]:history_ends[i]]``."""
+    is ``histories[history_rows[i], history_starts[i]:history_ends[i]]``
+    and its block has at most ``block_sizes[i]`` rows (hybrid mode; the
+    other modes have a fixed shape and give no block where it does not
+    fit)."""
     parents = np.empty(capacity, np.int64)
     tokens = np.empty(capacity, np.int64)
     scores = np.empty(capacity, np.float32)
     depths = np.empty(capacity, np.int64)
     kept = np.empty(capacity, np.int64)
     masked = np.empty(capacity, np.bool_)
+    reach = np.empty(capacity, np.float32)
+    sources = np.empty(capacity, np.int8)
+    gains = np.empty(max(out_gains.shape[1], 1), np.float64)
     all_masked = np.ones(capacity, np.bool_)
+    k = max(num_mask_tokens, 1)
     for i in range(roots.shape[0]):
         size = 0
+        out_num_gains[i] = 0
         if mode == HYBRID:
             history = histories[history_rows[i], history_starts[i]:history_ends[i]]
             size = hybrid_tree_kernel(history, roots[i], has_candidates[i],
                                       cand_tokens[i], cand_log_probs[i], vocab_size,
-                                      block_size, num_mask_tokens, use_esp, use_lookup,
-                                      esp_log_weight, lookup_accept, mask_value,
-                                      max_chains, capacity, parents, tokens, masked)
+                                      block_sizes[i], num_mask_tokens, use_esp,
+                                      use_lookup, esp_log_weight, lookup_log_scale,
+                                      lookup_accept, mask_value, max_chains, capacity,
+                                      root_alone, parents, tokens, masked, gains, reach,
+                                      sources)
+            if (size == 0 and use_esp
+                    and placeholder_parents.shape[0] * (k + 1) > block_sizes[i]):
+                # The placeholder does not fit (near max_model_len): the
+                # root alone, with its masks if they fit, so that the next
+                # step has candidates.
+                size = hybrid_tree_kernel(history, roots[i], has_candidates[i],
+                                          cand_tokens[i], cand_log_probs[i], vocab_size,
+                                          block_sizes[i], num_mask_tokens, use_esp,
+                                          use_lookup, esp_log_weight, lookup_log_scale,
+                                          lookup_accept, mask_value, max_chains,
+                                          capacity, True, parents, tokens, masked,
+                                          gains, reach, sources)
+            rows = size
             for t in range(size):
                 out_parents[i, t] = parents[t]
                 out_tokens[i, t] = tokens[t]
                 out_masked[i, t] = masked[t]
+                out_reach[i, t] = reach[t]
+                out_sources[i, t] = sources[t]
+                if masked[t]:
+                    rows += num_mask_tokens
+            if size > 0:
+                out_num_gains[i] = rows - 1
+                for g in range(rows - 1):
+                    out_gains[i, g] = gains[g]
         elif has_candidates[i] and mode == STATIC:
             size = static_tree_kernel(cand_tokens[i], widths, roots[i], vocab_size,
                                       out_parents[i], out_tokens[i])
@@ -286,13 +349,17 @@ def propose_batch_kernel(mode, histories, history_rows, history_starts, history_
             num_kept = select_kernel(scores, depths, count, node_budget, kept)
             size = bfs_tree_kernel(parents, tokens, depths, all_masked, kept, num_kept,
                                    out_parents[i], out_tokens[i], out_masked[i])
+        fixed_shape = mode != HYBRID
         if size == 0 and use_esp:
             # ESP's placeholder: the configured shape, every token the root's.
             size = placeholder_parents.shape[0]
+            fixed_shape = True
             for t in range(size):
                 out_parents[i, t] = placeholder_parents[t]
                 out_tokens[i, t] = roots[i]
                 out_masked[i, t] = True
+        if fixed_shape and size * (k + 1) > block_sizes[i]:
+            size = 0  # a fixed shape that does not fit (near max_model_len)
         out_num_nodes[i] = size
 
 
@@ -308,6 +375,13 @@ class TreeProposer:
 
     ``widths`` overrides the config's tree with a static one (the
     step-cost benchmark sizes blocks with it).
+
+    With ``auto`` block complexity (``config.auto``), ``propose`` takes a
+    :class:`~vllm_esp.core.goodput.StepBudget` and sizes every request's
+    block for the step's goodput (``core.goodput``): it ranks each
+    request's rows up to its cap, allocates rows across the batch, and
+    builds each tree within its share (a request may get the root alone, a
+    plain decoding step).
     """
 
     def __init__(self, config: ESPConfig, *, widths: Sequence[int] | None = None) -> None:
@@ -319,7 +393,8 @@ class TreeProposer:
         self.num_mask_tokens = config.masks_per_node
         self.hybrid = HybridParams.make(config.block_size, k, config.candidates)
         self.node_budget = config.node_budget
-        if config.is_hybrid:
+        self.auto = config.auto
+        if config.is_hybrid or config.auto:
             self.mode = HYBRID
             self.capacity = self.hybrid.capacity
             self.max_nodes = config.block_size
@@ -345,18 +420,49 @@ class TreeProposer:
                 history_starts: np.ndarray, history_ends: np.ndarray,
                 roots: np.ndarray, cand_tokens: np.ndarray, cand_log_probs: np.ndarray,
                 has_candidates: np.ndarray, vocab_size: int,
-                out: TreeBatch | None = None) -> TreeBatch:
+                out: TreeBatch | None = None, row_caps: np.ndarray | None = None,
+                budget: StepBudget | None = None) -> TreeBatch:
+        """``row_caps``: at most this many rows per request (``max_model_len``);
+        ``budget``: the step's cost and calibration (``auto`` only)."""
+        batch = roots.shape[0]
         if out is None:
-            out = TreeBatch.empty(roots.shape[0], self.max_nodes, self.num_mask_tokens)
+            out = TreeBatch.empty(batch, self.max_nodes, self.num_mask_tokens)
+        block_size = (self.hybrid.block_size if self.mode == HYBRID
+                      else self.max_nodes * (self.num_mask_tokens + 1))
+        caps = np.full(batch, block_size, np.int64)
+        if row_caps is not None:
+            np.minimum(caps, row_caps, out=caps)
+        esp_scale = lookup_scale = 1.0
+        if budget is not None:
+            esp_scale, lookup_scale = budget.esp_scale, budget.lookup_scale
+        args = (histories, history_rows, history_starts, history_ends, roots,
+                has_candidates, cand_tokens, cand_log_probs, vocab_size, esp_scale,
+                lookup_scale, out)
+        gains, num_gains = self._run(caps, *args)
+        if self.auto and budget is not None:
+            extra = allocate_rows(gains, num_gains, budget.base_rows, budget.fixed_cost,
+                                  budget.cost_per_row, budget.max_total_rows)
+            self._run(np.minimum(caps, 1 + extra), *args)
+        return out
+
+    def _run(self, block_sizes, histories, history_rows, history_starts, history_ends,
+             roots, has_candidates, cand_tokens, cand_log_probs, vocab_size, esp_scale,
+             lookup_scale, out):
         hybrid = self.hybrid
+        batch = roots.shape[0]
+        gains = np.zeros((batch, max(hybrid.block_size - 1, 1)), np.float64)
+        num_gains = np.zeros(batch, np.int64)
         propose_batch_kernel(
             self.mode, histories, history_rows, history_starts, history_ends, roots,
             has_candidates, cand_tokens, cand_log_probs, vocab_size, self.widths,
-            self.node_budget, hybrid.block_size, hybrid.num_mask_tokens,
-            hybrid.use_esp, hybrid.use_lookup, hybrid.esp_log_weight,
-            hybrid.lookup_accept, hybrid.mask_value, hybrid.max_chains, self.capacity,
-            self.placeholder_parents, out.parents, out.tokens, out.masked, out.num_nodes)
-        return out
+            self.node_budget, block_sizes, hybrid.num_mask_tokens,
+            hybrid.use_esp, hybrid.use_lookup,
+            hybrid.esp_log_weight + math.log(max(esp_scale, 1e-6)),
+            math.log(max(lookup_scale, 1e-6)), hybrid.lookup_accept, hybrid.mask_value,
+            hybrid.max_chains, self.capacity, self.auto, self.placeholder_parents,
+            out.parents, out.tokens, out.masked, out.num_nodes, gains, num_gains,
+            out.reach, out.sources)
+        return gains, num_gains
 
 
 # ----------------------------------------------------------------- layouts

@@ -191,10 +191,11 @@ def lookup_chains_kernel(history, node_budget, max_chains, max_ngram, min_ngram,
 
 @njit(cache=True)
 def merge_chain_kernel(parents, tokens, scores, depths, count, chain_tokens,
-                       chain_scores, chain_length):
+                       chain_scores, chain_length, sources, chain_source):
     """Hang a chain (tokens/scores of depths 1..L under the root) into the
     candidates, sharing the prefix they have in common; a shared node keeps
-    the larger score. Appends the rest; returns the new count."""
+    the larger score (and the source tag, in ``sources``, of the source that
+    gave it). Appends the rest; returns the new count."""
     max_depth = 0
     for i in range(count):
         max_depth = max(max_depth, depths[i])
@@ -209,13 +210,16 @@ def merge_chain_kernel(parents, tokens, scores, depths, count, chain_tokens,
         if hit < 0:
             break
         attach = hit
-        scores[attach] = max(scores[attach], chain_scores[depth - 1])
+        if chain_scores[depth - 1] > scores[attach]:
+            scores[attach] = chain_scores[depth - 1]
+            sources[attach] = chain_source
         depth += 1
     for d in range(depth, chain_length + 1):
         parents[count] = attach
         tokens[count] = chain_tokens[d - 1]
         scores[count] = chain_scores[d - 1]
         depths[count] = d
+        sources[count] = chain_source
         attach = count
         count += 1
     return count
@@ -223,10 +227,13 @@ def merge_chain_kernel(parents, tokens, scores, depths, count, chain_tokens,
 
 @njit(cache=True)
 def allocate_kernel(parents, scores, depths, count, block_size, num_mask_tokens,
-                    mask_value, kept, masked):
+                    mask_value, kept, masked, gains):
     """Greedy row allocation (see ``allocate_block``). Writes the kept
-    candidates in the order added into ``kept`` and the mask flags into
-    ``masked``; returns how many were kept."""
+    candidates in the order added into ``kept``, the mask flags into
+    ``masked`` and each row's gain, in the order the rows were added, into
+    ``gains`` (``block_size - 1`` entries at most; a node's gain is its
+    expected accepted tokens, a mask row's its share of the masks' value);
+    returns how many candidates were kept."""
     reach = np.exp(scores[:count].astype(np.float64))
     reach[0] = 1.0
     # Ties: higher score, then smaller depth, then creation order.
@@ -269,12 +276,15 @@ def allocate_kernel(parents, scores, depths, count, block_size, num_mask_tokens,
             break
         if best_mask >= 0 and (best_node < 0 or best_mask_gain > best_gain):
             masked[best_mask] = True
+            for j in range(k):
+                gains[rows - 1 + j] = best_mask_gain
             rows += k
         else:
             is_kept[best_node] = True
             kept[num_kept] = best_node
             num_kept += 1
             child_reach[parents[best_node]] += reach[best_node]
+            gains[rows - 1] = best_gain
             rows += 1
     return num_kept
 
@@ -342,8 +352,9 @@ def merge_candidates(tree: ScoredCandidates, chain: ScoredCandidates) -> ScoredC
     capacity = count + chain.num_candidates
     parents, tokens, scores, depths = (np.resize(a, capacity) for a in tree.arrays())
     _, chain_tokens, chain_scores, _ = chain.arrays()
+    sources = np.zeros(capacity, np.int8)
     count = merge_chain_kernel(parents, tokens, scores, depths, count, chain_tokens[1:],
-                               chain_scores[1:], chain.num_candidates - 1)
+                               chain_scores[1:], chain.num_candidates - 1, sources, 1)
     return ScoredCandidates.from_arrays(parents, tokens, scores, depths, count)
 
 
@@ -379,8 +390,10 @@ def allocate_block(candidates: ScoredCandidates, block_size: int,
     count = candidates.num_candidates
     kept = np.empty(count, np.int64)
     masked = np.empty(count, np.bool_)
+    gains = np.empty(max(int(block_size), 1), np.float64)
     num_kept = allocate_kernel(parents, scores, depths, count, int(block_size),
-                               int(num_mask_tokens), float(mask_value), kept, masked)
+                               int(num_mask_tokens), float(mask_value), kept, masked,
+                               gains)
     return torch.from_numpy(kept[:num_kept].copy()), torch.from_numpy(masked)
 
 

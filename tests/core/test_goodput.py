@@ -1,0 +1,170 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Goodput-aware block sizes (core.goodput) on synthetic estimates and costs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_esp.config import ESPConfig
+from vllm_esp.core.batch import TreeProposer
+from vllm_esp.core.goodput import (
+    SOURCE_ESP,
+    SOURCE_LOOKUP,
+    AcceptanceCalibration,
+    StepBudget,
+    StepCostModel,
+    allocate_rows,
+)
+
+
+def test_docstring_example():
+    gains = np.array([[0.9, 0.5, 0.05], [0.3, 0.0, 0.0]])
+    extra = allocate_rows(gains, np.array([3, 1]), base_rows=2, fixed_cost=1.0,
+                          cost_per_row=0.1)
+    assert extra.tolist() == [2, 1]
+
+
+def test_zero_rows_when_cost_dominates_and_all_when_rows_are_cheap():
+    rng = np.random.default_rng(0)
+    gains = np.sort(rng.uniform(0, 0.9, (8, 12)), axis=1)[:, ::-1]
+    counts = np.full(8, 12)
+    expensive = allocate_rows(gains, counts, base_rows=8, fixed_cost=1.0, cost_per_row=10.0)
+    assert expensive.tolist() == [0] * 8
+    cheap = allocate_rows(gains, counts, base_rows=8, fixed_cost=1.0, cost_per_row=1e-6)
+    assert cheap.tolist() == [12] * 8
+
+
+def test_threshold_matches_marginal_goodput():
+    """A row is worth taking iff its gain beats the goodput times its cost:
+    brute force over every threshold agrees with the allocation."""
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        batch, width = rng.integers(1, 6), rng.integers(1, 8)
+        gains = np.sort(rng.uniform(0, 1, (batch, width)), axis=1)[:, ::-1]
+        counts = rng.integers(0, width + 1, batch)
+        fixed, per_row = rng.uniform(0.5, 2), rng.uniform(0.001, 0.5)
+        extra = allocate_rows(gains, counts, batch, fixed, per_row)
+        taken = sum(gains[i, :extra[i]].sum() for i in range(batch))
+        best = (batch + taken) / (fixed + per_row * (batch + extra.sum()))
+        values = np.sort(np.concatenate([gains[i, :counts[i]] for i in range(batch)]))[::-1]
+        for n in range(values.size + 1):
+            other = (batch + values[:n].sum()) / (fixed + per_row * (batch + n))
+            assert best >= other - 1e-12
+
+
+def test_prefix_order_kept_when_gains_rise():
+    """A request's rows come in its own order even where a later row's
+    gain is larger (a mask row after a weak node): never the later alone."""
+    gains = np.array([[0.1, 0.9]])
+    extra = allocate_rows(gains, np.array([2]), base_rows=1, fixed_cost=1.0,
+                          cost_per_row=0.2)
+    assert extra.tolist() in ([0], [2])
+
+
+def test_total_row_cap():
+    gains = np.full((4, 10), 0.9)
+    extra = allocate_rows(gains, np.full(4, 10), base_rows=4, fixed_cost=1.0,
+                          cost_per_row=1e-6, max_total_rows=20)
+    assert extra.sum() == 16
+
+
+# ------------------------------------------------------------ TreeProposer
+def _proposer_inputs(batch, seed=0, vocab=50, history_len=40):
+    rng = np.random.default_rng(seed)
+    base = rng.integers(1, vocab, 12)
+    # Repeated phrases give prompt lookup something to find.
+    histories = np.concatenate([np.tile(base, 3)[:history_len - 4],
+                                rng.integers(1, vocab, 4)])[None].repeat(batch, 0)
+    histories[:, -1] = base[0]
+    width = 40
+    cand_tokens = np.stack([rng.permutation(vocab)[:width] for _ in range(batch)])[:, None, :]
+    log_probs = np.log(np.sort(rng.dirichlet(np.full(width, 0.3), batch), axis=1)[:, ::-1])
+    return dict(
+        histories=histories.astype(np.int64), history_rows=np.arange(batch),
+        history_starts=np.zeros(batch, np.int64),
+        history_ends=np.full(batch, history_len, np.int64),
+        roots=histories[:, -1].astype(np.int64), cand_tokens=cand_tokens.astype(np.int64),
+        cand_log_probs=log_probs[:, None, :].astype(np.float32),
+        has_candidates=np.ones(batch, np.bool_), vocab_size=vocab)
+
+
+def _check_trees(trees, caps):
+    sizes = trees.block_sizes()
+    for i in range(trees.num_nodes.shape[0]):
+        n = int(trees.num_nodes[i])
+        assert n >= 1
+        parents = trees.parents[i, :n]
+        assert parents[0] == -1 and all(0 <= parents[j] < j for j in range(1, n))
+        assert sizes[i] <= caps[i]
+    return sizes
+
+
+@pytest.mark.parametrize("candidates", [["esp", "ngram"], ["esp"], ["ngram"]])
+def test_auto_trees_follow_the_cost(candidates):
+    config = ESPConfig.from_dict({"candidates": candidates})
+    proposer = TreeProposer(config)
+    inputs = _proposer_inputs(8)
+    caps = np.full(8, config.block_size)
+    expensive = proposer.propose(**inputs, budget=StepBudget(1.0, 100.0, base_rows=8))
+    assert _check_trees(expensive, caps).tolist() == [1] * 8  # plain steps
+    cheap = proposer.propose(**inputs, budget=StepBudget(1.0, 1e-4, base_rows=8))
+    moderate = proposer.propose(**inputs, budget=StepBudget(1.0, 0.02, base_rows=8))
+    cheap_rows = _check_trees(cheap, caps)
+    moderate_rows = _check_trees(moderate, caps)
+    assert cheap_rows.sum() > moderate_rows.sum() > 8
+    capped = proposer.propose(**inputs, budget=StepBudget(1.0, 1e-4, base_rows=8,
+                                                          max_total_rows=40))
+    assert _check_trees(capped, caps).sum() <= 40
+
+
+def test_auto_rows_respect_per_request_caps():
+    config = ESPConfig.from_dict({})
+    proposer = TreeProposer(config)
+    inputs = _proposer_inputs(4)
+    caps = np.array([1, 2, 5, 32])
+    trees = proposer.propose(**inputs, row_caps=caps,
+                             budget=StepBudget(1.0, 1e-4, base_rows=4))
+    sizes = _check_trees(trees, caps)
+    assert sizes[0] == 1 and sizes[3] > 5
+
+
+def test_fixed_shapes_give_no_block_where_they_do_not_fit():
+    config = ESPConfig.from_dict({"tree": [4], "candidates": ["esp"]})
+    proposer = TreeProposer(config)
+    inputs = _proposer_inputs(3)
+    trees = proposer.propose(**inputs, row_caps=np.array([10, 9, 100]))
+    assert trees.num_nodes.tolist() == [5, 0, 5]
+
+
+# ------------------------------------------------------------ estimators
+def test_cost_model_converges_from_a_wrong_prior():
+    rng = np.random.default_rng(2)
+    model = StepCostModel(fixed=0.05, per_row=1e-4)
+    for _ in range(600):
+        rows = int(rng.integers(8, 200))
+        model.observe(rows, (0.02 + 0.001 * rows) * rng.uniform(0.95, 1.05))
+    assert model.fixed == pytest.approx(0.02, rel=0.15)
+    assert model.per_row == pytest.approx(0.001, rel=0.1)
+
+
+def test_cost_model_fit_of_a_profile():
+    rows = np.array([1, 8, 32, 64, 128])
+    model = StepCostModel.fit(rows, 0.03 + 0.0005 * rows)
+    assert model.fixed == pytest.approx(0.03) and model.per_row == pytest.approx(0.0005)
+
+
+def test_calibration_converges_per_source():
+    """ESP's estimates twice too high, lookup's 20% too low: the scales
+    converge to 0.5 and 1.2 from a stream of verification outcomes."""
+    rng = np.random.default_rng(3)
+    calibration = AcceptanceCalibration()
+    assert calibration.scales.tolist() == [1.0, 1.0]
+    for _ in range(3000):
+        sources = rng.integers(0, 2, 10)
+        reach = rng.uniform(0.05, 0.6, 10)
+        truth = np.where(sources == SOURCE_ESP, 0.5 * reach, 1.2 * reach)
+        calibration.observe(sources, reach, rng.uniform(size=10) < truth)
+    scales = calibration.scales
+    assert scales[SOURCE_ESP] == pytest.approx(0.5, abs=0.08)
+    assert scales[SOURCE_LOOKUP] == pytest.approx(1.2, abs=0.15)

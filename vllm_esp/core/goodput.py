@@ -1,0 +1,197 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Goodput-aware block sizes: how many rows each request verifies this step.
+
+Speculation pays only while a row's chance of being accepted is worth its
+cost, and the cost depends on the hardware and the load. With ``auto``
+block complexity, every step allocates rows across the whole batch to
+maximise expected tokens per second (SmartSpec's goodput, Sequoia's
+hardware-aware tree size):
+
+* **Gains.** The tree proposer ranks each request's possible rows greedily
+  (``core.hybrid.allocate_kernel``): a draft node's gain is the estimated
+  chance it is accepted (its path's reach); a mask row's gain is the value
+  of the next step's ESP candidates it seeds. A request's gains are
+  non-increasing along its ranking, so any prefix is a tree (ancestors
+  first) and the first ``n`` rows are the best ``n``.
+* **Cost.** :class:`StepCostModel`: step time ``t(R) = fixed + per_row * R``
+  for ``R`` rows (tokens) in the forward, from a start-up profile and
+  corrected online from measured step times.
+* **Allocation.** :func:`allocate_rows`: every request keeps its root row
+  (it emits one token in any case); extra rows are taken in order of gain
+  across the batch, and the allocation stops at the count that maximises
+  ``(requests + sum of gains) / t(rows)``. A request may get no extra row
+  (a plain decoding step), and so may the whole batch.
+* **Calibration.** :class:`AcceptanceCalibration` scales each candidate
+  source's estimates by how often its drafts were really accepted, so the
+  priors only matter for the first steps.
+
+Worked example: 2 requests, cost ``t(R) = 1 + 0.1 R``; request 0's gains
+``[.9, .5, .05]``, request 1's ``[.3]``::
+
+    rows  tokens expected         t     goodput
+    2     2                       1.2   1.667
+    3     2.9 (+.9, request 0)    1.3   2.231
+    4     3.4 (+.5, request 0)    1.4   2.429
+    5     3.7 (+.3, request 1)    1.5   2.467   <- best
+    6     3.75 (+.05)             1.6   2.344
+
+    -> request 0 gets 2 extra rows, request 1 gets 1.
+
+Only the block shapes depend on these estimates; verification stays
+lossless whatever they are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["StepCostModel", "AcceptanceCalibration", "StepBudget", "allocate_rows",
+           "SOURCE_ESP", "SOURCE_LOOKUP", "NUM_SOURCES"]
+
+# Candidate sources (node tags written by the hybrid kernel).
+SOURCE_ESP, SOURCE_LOOKUP = 0, 1
+NUM_SOURCES = 2
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """What one step's allocation needs: the cost model's current fit, the
+    rows the step has without drafts, a cap on its total rows (the
+    scheduler's token budget), and the sources' calibration scales."""
+
+    fixed_cost: float
+    cost_per_row: float
+    base_rows: int
+    max_total_rows: int | None = None
+    esp_scale: float = 1.0
+    lookup_scale: float = 1.0
+
+
+def allocate_rows(gains: np.ndarray, num_gains: np.ndarray, base_rows: int,
+                  fixed_cost: float, cost_per_row: float,
+                  max_total_rows: int | None = None) -> np.ndarray:
+    """Extra rows per request that maximise expected tokens per unit time.
+
+    ``gains[i, :num_gains[i]]``: request ``i``'s candidate rows in its
+    greedy order (expected accepted tokens each). ``base_rows``: rows the
+    step has in any case (every request's root, other requests' tokens);
+    each request in ``gains`` emits one token without drafts. Returns
+    ``[B]`` extra-row counts (prefixes of each request's order).
+    """
+    batch = gains.shape[0]
+    extra = np.zeros(batch, np.int64)
+    if batch == 0 or cost_per_row <= 0 or fixed_cost <= 0:
+        return extra
+    width = gains.shape[1]
+    valid = np.arange(width)[None, :] < num_gains[:, None]
+    # A request's rows must be taken in its own order: make its gains
+    # non-increasing so that sorting by gain keeps every prefix intact.
+    ordered = np.where(valid, gains, -np.inf)
+    ordered = np.minimum.accumulate(ordered, axis=1)
+    request, position = np.nonzero(valid & (ordered > 0))
+    values = ordered[request, position]
+    order = np.lexsort((position, -values))
+    request, values = request[order], values[order]
+    if max_total_rows is not None:
+        room = max(int(max_total_rows) - int(base_rows), 0)
+        request, values = request[:room], values[:room]
+    if values.size == 0:
+        return extra
+    rows = base_rows + np.arange(values.size + 1)
+    tokens = batch + np.concatenate(([0.0], np.cumsum(values)))
+    goodput = tokens / (fixed_cost + cost_per_row * rows)
+    best = int(np.argmax(goodput))
+    np.add.at(extra, request[:best], 1)
+    return extra
+
+
+class StepCostModel:
+    """``t(R) = fixed + per_row * R``: seconds of a step with ``R`` rows.
+
+    Least squares over the measured ``(R, t)`` with exponential forgetting
+    (recent steps weigh more: the context grows, the machine's load
+    changes), started from a prior fit (the start-up profile) that counts
+    as ``prior_weight`` observations.
+    """
+
+    def __init__(self, fixed: float, per_row: float, prior_weight: float = 20.0,
+                 forgetting: float = 0.99, prior_rows: float = 16.0) -> None:
+        self.forgetting = forgetting
+        self.prior = (fixed, per_row)
+        # Sufficient statistics of weighted least squares: sum w, sum w R,
+        # sum w R^2, sum w t, sum w R t; the prior as points spread over
+        # 1..2*prior_rows rows so that both parameters are pinned.
+        self._stats = np.zeros(5)
+        for rows in (1.0, 2.0 * prior_rows):
+            self._add(rows, fixed + per_row * rows, prior_weight / 2)
+        self.fixed, self.per_row = fixed, per_row
+
+    def _add(self, rows: float, seconds: float, weight: float) -> None:
+        self._stats += weight * np.array([1.0, rows, rows * rows, seconds, rows * seconds])
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if not (seconds > 0 and math.isfinite(seconds)) or rows <= 0:
+            return
+        self._stats *= self.forgetting
+        self._add(float(rows), float(seconds), 1.0)
+        n, sr, srr, st, srt = self._stats
+        denominator = n * srr - sr * sr
+        if denominator <= 1e-12:
+            return
+        per_row = (n * srt - sr * st) / denominator
+        fixed = (st - per_row * sr) / n
+        # A step never gets cheaper with more rows, and always costs something.
+        self.per_row = max(per_row, 1e-3 * self.prior[1], 1e-9)
+        self.fixed = max(fixed, 0.05 * self.prior[0], 1e-9)
+
+    def seconds(self, rows: float) -> float:
+        return self.fixed + self.per_row * rows
+
+    @classmethod
+    def fit(cls, rows: np.ndarray, seconds: np.ndarray, **kwargs) -> StepCostModel:
+        """The prior from profiled ``(rows, seconds)`` points."""
+        rows = np.asarray(rows, np.float64)
+        seconds = np.asarray(seconds, np.float64)
+        per_row, fixed = np.polyfit(rows, seconds, 1)
+        per_row = max(per_row, 1e-9)
+        fixed = max(fixed, 0.05 * float(seconds.min()), 1e-9)
+        return cls(fixed, per_row, prior_rows=float(rows.max()) / 2, **kwargs)
+
+
+class AcceptanceCalibration:
+    """Per candidate source, how much its estimated acceptance should be
+    scaled: ``(accepted + prior) / (predicted + prior)`` over recent steps.
+
+    ``predicted`` sums the estimates (reach) of the source's drafted nodes;
+    ``accepted`` counts those on the accepted path. With no data the scale
+    is 1 (the priors in ``core.hybrid`` stand). Clamped to
+    ``[min_scale, max_scale]`` so that one unlucky run cannot switch a
+    source off for good.
+    """
+
+    def __init__(self, prior: float = 5.0, forgetting: float = 0.995,
+                 min_scale: float = 0.1, max_scale: float = 3.0) -> None:
+        self.prior = prior
+        self.forgetting = forgetting
+        self.min_scale, self.max_scale = min_scale, max_scale
+        self.predicted = np.zeros(NUM_SOURCES)
+        self.accepted = np.zeros(NUM_SOURCES)
+
+    def observe(self, sources: np.ndarray, reach: np.ndarray, accepted: np.ndarray) -> None:
+        """One step's drafted nodes: source tag, estimated reach, and
+        whether each was accepted (flat arrays)."""
+        if sources.size == 0:
+            return
+        self.predicted *= self.forgetting
+        self.accepted *= self.forgetting
+        self.predicted += np.bincount(sources, weights=reach, minlength=NUM_SOURCES)
+        self.accepted += np.bincount(sources, weights=accepted.astype(np.float64),
+                                     minlength=NUM_SOURCES)
+
+    @property
+    def scales(self) -> np.ndarray:
+        scale = (self.accepted + self.prior) / (self.predicted + self.prior)
+        return np.clip(scale, self.min_scale, self.max_scale)
