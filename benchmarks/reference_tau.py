@@ -32,6 +32,16 @@ LOOKUP = {"prompt lookup (n<=3, 3 drafts)": dict(max_ngram=3, num_draft_tokens=3
           "prompt lookup (n<=3, 10 drafts)": dict(max_ngram=3, num_draft_tokens=10)}
 
 
+def _spec_bench_or_exit(load_spec_bench, dataset):
+    """Spec-Bench before any model loads, or a clear message and exit."""
+    from vllm_esp_dev.data import SpecBenchNotFound
+
+    try:
+        return load_spec_bench(dataset)
+    except SpecBenchNotFound as missing:
+        raise SystemExit(f"error: {missing}") from None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -53,11 +63,12 @@ def main(argv=None) -> int:
     from vllm_esp_dev.data import chat_prompt_ids, load_spec_bench, select_questions
     from vllm_esp_dev.models import MODELS, model_path
 
+    questions = select_questions(_spec_bench_or_exit(load_spec_bench, args.dataset),
+                                 args.per_category)
     torch.set_num_threads(args.threads)
     path = str(model_path(args.model)) if args.model in MODELS else args.model
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    questions = select_questions(load_spec_bench(args.dataset), args.per_category)
     prompts = [chat_prompt_ids(tokenizer, q) for q in questions]
     eos = tokenizer.eos_token_id
 

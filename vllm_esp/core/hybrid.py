@@ -89,11 +89,11 @@ LOOKUP_MIN_NGRAM = 1
 
 # q(m): chance that the next lookup token is accepted after an m-token match
 # (m >= len - 1 uses the last entry), when the matched n-gram's occurrences
-# agree. Measured with benchmarks/calibrate_hybrid.py on SmolLM2-135M's greedy
-# answers to 52 Spec-Bench questions (4 per category; they include the
-# benchmark's questions): m=1 .36, 2 .55, 3 .84 (all occurrences agreeing),
-# then .81, .87, .92. Only the ranking of candidates depends on these numbers,
-# never the output.
+# agree. Priors fitted with benchmarks/calibrate_hybrid.py on SmolLM2-135M's
+# greedy answers to Spec-Bench questions that include the benchmark's own
+# (docs/results.md, "Calibration and overlap"); with 'auto' blocks they are
+# rescaled online from the engine's verification outcomes (core.goodput).
+# Only the ranking of candidates depends on these numbers, never the output.
 LOOKUP_ACCEPT = (0.0, 0.35, 0.55, 0.8, 0.82, 0.87, 0.92)
 # Mask probabilities overstate acceptance: a level-1 candidate with mask
 # probability p was the next token about 0.35 p of the time (same script).
@@ -103,10 +103,9 @@ ESP_WEIGHT = 0.35
 LOOKUP_MAX_CHAINS = 3
 # Expected extra tokens that ESP candidates bring to the next step, per unit
 # of probability that a node is the last accepted one. Mask rows go where
-# this beats another draft node (``allocate_block``). Tuned with the
-# reference decoder on SmolLM2 (13 Spec-Bench prompts x 64 tokens, block 10,
-# tau): 0.0 1.380, 0.1 1.400, 0.3 1.390, 0.6 1.371. Like the other scores it
-# only decides the tree's shape, never the output.
+# this beats another draft node (``allocate_block``). Chosen with the
+# reference decoder on SmolLM2 (benchmarks/reference_tau.py); like the other
+# scores it only decides the tree's shape, never the output.
 MASK_VALUE = 0.1
 
 
