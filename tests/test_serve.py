@@ -75,15 +75,25 @@ def serve(args: list[str], log_path: Path, env: dict | None = None, timeout: flo
         log.close()
 
 
+@contextlib.contextmanager
+def esp_server(model_dir, tmp_path_factory, name, speculative_config, *extra_args,
+               max_num_seqs=16):
+    """``vllm serve`` of the bundled model in fp32 with ESP; yields
+    ``(base URL, model)``."""
+    log_path = tmp_path_factory.mktemp(name) / "server.log"
+    with serve([model_dir, "--dtype", "float32", "--enforce-eager",
+                "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs),
+                "--seed", "0", *extra_args,
+                "--speculative-config", json.dumps(speculative_config)],
+               log_path) as base:
+        yield base, model_dir
+
+
 @pytest.fixture(scope="module")
 def server(smollm2_dir, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    with serve([smollm2_dir, "--dtype", "float32", "--enforce-eager",
-                "--max-model-len", "2048", "--max-num-seqs", "16", "--seed", "0",
-                "--speculative-config",
-                json.dumps({"method": "esp", "tree": [4], "candidates": ["esp"]})],
-               log_path) as base:
-        yield base, smollm2_dir
+    with esp_server(smollm2_dir, tmp_path_factory, "serve",
+                    {"method": "esp", "tree": [4], "candidates": ["esp"]}) as running:
+        yield running
 
 
 def _complete(base, model, prompt_ids, stream=False):
@@ -163,13 +173,9 @@ def test_prompt_embeds_refused_as_without_esp_and_server_keeps_serving(
 @pytest.fixture(scope="module")
 def embeds_server(smollm2_dir, tmp_path_factory):
     """ESP (the default hybrid) with prompt embeddings enabled by the user."""
-    log_path = tmp_path_factory.mktemp("serve-embeds") / "server.log"
-    with serve([smollm2_dir, "--dtype", "float32", "--enforce-eager",
-                "--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "0",
-                "--enable-prompt-embeds",
-                "--speculative-config", json.dumps({"method": "esp"})],
-               log_path) as base:
-        yield base, smollm2_dir
+    with esp_server(smollm2_dir, tmp_path_factory, "serve-embeds", {"method": "esp"},
+                    "--enable-prompt-embeds", max_num_seqs=8) as running:
+        yield running
 
 
 def test_user_enabled_prompt_embeds_work_with_esp(embeds_server, smollm2_tokenizer):

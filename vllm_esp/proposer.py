@@ -30,6 +30,7 @@ filled from the masks of its last accepted node.
 from __future__ import annotations
 
 import logging
+import time
 import zlib
 from dataclasses import dataclass
 
@@ -91,8 +92,6 @@ class AutoStats:
     """Rows per step and the chosen budget, logged every ``interval`` s."""
 
     def __init__(self, interval: float = 30.0) -> None:
-        import time
-
         self._clock = time.monotonic
         self.interval = interval
         self._last = self._clock()

@@ -305,25 +305,18 @@ def propose_batch_kernel(mode, histories, history_rows, history_starts, history_
         out_num_gains[i] = 0
         if mode == HYBRID:
             history = histories[history_rows[i], history_starts[i]:history_ends[i]]
+            # Where ESP's placeholder does not fit (near max_model_len), the
+            # root alone, with its masks if they fit, so that the next step
+            # has candidates.
+            root_alone_here = root_alone or (
+                use_esp and placeholder_parents.shape[0] * (k + 1) > block_sizes[i])
             size = hybrid_tree_kernel(history, roots[i], has_candidates[i],
                                       cand_tokens[i], cand_log_probs[i], vocab_size,
                                       block_sizes[i], num_mask_tokens, use_esp,
                                       use_lookup, esp_log_weight, lookup_log_scale,
                                       lookup_accept, mask_value, max_chains, capacity,
-                                      root_alone, parents, tokens, masked, gains, reach,
-                                      sources)
-            if (size == 0 and use_esp
-                    and placeholder_parents.shape[0] * (k + 1) > block_sizes[i]):
-                # The placeholder does not fit (near max_model_len): the
-                # root alone, with its masks if they fit, so that the next
-                # step has candidates.
-                size = hybrid_tree_kernel(history, roots[i], has_candidates[i],
-                                          cand_tokens[i], cand_log_probs[i], vocab_size,
-                                          block_sizes[i], num_mask_tokens, use_esp,
-                                          use_lookup, esp_log_weight, lookup_log_scale,
-                                          lookup_accept, mask_value, max_chains,
-                                          capacity, True, parents, tokens, masked,
-                                          gains, reach, sources)
+                                      root_alone_here, parents, tokens, masked, gains,
+                                      reach, sources)
             rows = size
             for t in range(size):
                 out_parents[i, t] = parents[t]
