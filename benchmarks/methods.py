@@ -94,6 +94,9 @@ _ALL = [
            "answers; vLLM's defaults spelled out",
            requires_module="arctic_inference", install_hint=SUFFIX_INSTALL_HINT,
            cross_request_state=True),
+    Method("esp", {"method": "esp"},
+           "the plugin's default: {\"method\": \"esp\"} (auto block "
+           "complexity, ESP + prompt-lookup candidates)"),
     Method("esp-4", _esp(tree=[4]), "ESP alone, static tree [4] (k=1, block 10; the paper's method at the CPU default size)"),
     Method("esp-9", _esp(tree=[9]), "ESP static tree [9] (k=1, block 20)"),
     Method("esp-29", _esp(tree=[29]), "ESP static tree [29] (k=1, block 60; the GPU default)"),
@@ -116,7 +119,7 @@ METHODS: dict[str, Method] = {m.name: m for m in _ALL}
 # The plugin's default (hybrid-bc10), ESP alone and vLLM's training-free
 # methods. The 60-row blocks (esp-15-4, esp-29) are left out: on 2 CPU cores
 # each costs several times the rest of the default run.
-DEFAULT_METHODS = ("none", "ngram-k3", "suffix", "esp-4", "hybrid-bc10")
+DEFAULT_METHODS = ("none", "ngram-k3", "ngram-k9", "suffix", "esp")
 
 
 def resolve(names: list[str]) -> list[Method]:

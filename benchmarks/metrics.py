@@ -251,6 +251,20 @@ def tokens_per_step(records: Iterable[RequestRecord]) -> float | None:
     return tokens / steps if steps else None
 
 
+def rows_per_step(records: Iterable[RequestRecord]) -> float | None:
+    """Verification rows per request per decode step of a chain method: 1 +
+    drafts / decode steps (1.0 without speculation). A step's cost grows
+    with the batch's rows. ESP's drafts count tree nodes only; its rows,
+    mask rows included, come from the worker (``esp_row_counts``)."""
+    slots = steps = 0
+    for record in records:
+        if record.num_output_tokens < 2:
+            continue
+        slots += record.draft_tokens or 0
+        steps += target_forwards(record) - 1
+    return 1.0 + slots / steps if steps else None
+
+
 def tokens_per_second(records: Iterable[RequestRecord], seconds: float) -> float | None:
     tokens = sum(r.num_output_tokens for r in records)
     return tokens / seconds if seconds > 0 else None
@@ -326,6 +340,7 @@ def summarize(records: Sequence[RequestRecord], seconds: float,
         "draft_acceptance_rate": _rounded(draft_acceptance_rate(records)),
         "forwards_per_token": _rounded(forwards_per_token(records)),
         "tokens_per_step": _rounded(tokens_per_step(records)),
+        "rows_per_step": _rounded(rows_per_step(records)),
         "target_forwards": sum(target_forwards(r) for r in records),
         "spec_steps": sum(r.spec_steps or 0 for r in records),
         "accepted_tokens": sum(r.accepted_tokens or 0 for r in records),
@@ -440,10 +455,24 @@ class PassResult:
     # Seconds to start the engine / server this pass ran on (including its
     # warm-up request); None when the pass reused one.
     startup_seconds: float | None = None
+    # ESP's worker row counts over the pass (``esp_row_counts``): its
+    # per-request metrics count tree nodes, not mask rows.
+    row_counts: dict[str, int] | None = None
 
     @property
     def key(self) -> str:
         return f"{self.workload}-{'b' if self.workload == 'offline' else 'c'}{self.level}"
 
     def summary(self) -> dict[str, Any]:
-        return summarize(self.records, self.seconds, self.counters)
+        summary = summarize(self.records, self.seconds, self.counters)
+        if self.row_counts and self.row_counts.get("decode_request_steps"):
+            summary["rows_per_step"] = _rounded(
+                self.row_counts["rows"] / self.row_counts["decode_request_steps"])
+        return summary
+
+
+def row_count_delta(before: Mapping[str, int] | None,
+                    after: Mapping[str, int] | None) -> dict[str, int] | None:
+    if before is None or after is None:
+        return None
+    return {name: after[name] - before.get(name, 0) for name in after}

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.methods import Method
-from benchmarks.metrics import PassResult, Prompt, RequestRecord, counter_delta
+from benchmarks.metrics import PassResult, Prompt, RequestRecord, counter_delta, row_count_delta
 
 
 def engine_kwargs(method: Method, options: dict[str, Any]) -> dict[str, Any]:
@@ -38,6 +38,15 @@ def engine_kwargs(method: Method, options: dict[str, Any]) -> dict[str, Any]:
 
 def _waves(prompts: list[Prompt], size: int) -> list[list[Prompt]]:
     return [prompts[i:i + size] for i in range(0, len(prompts), size)]
+
+
+def esp_row_counts(llm) -> dict[str, int] | None:
+    """The ESP worker's cumulative decode request-steps and rows (rank 0);
+    None for other methods."""
+    additional = llm.llm_engine.vllm_config.additional_config or {}
+    if "esp" not in additional:
+        return None
+    return llm.collective_rpc("esp_row_counts")[0]
 
 
 def run_offline(method: Method, model: str, prompts: list[Prompt],
@@ -75,6 +84,7 @@ def run_offline(method: Method, model: str, prompts: list[Prompt],
             records: list[RequestRecord] = []
             counters: dict[str, float] = {}
             seconds = 0.0
+            rows_before = esp_row_counts(llm)
             for group in groups:
                 run = generate(llm, [p.token_ids for p in group], sampling_params,
                                label=method.name)
@@ -96,7 +106,9 @@ def run_offline(method: Method, model: str, prompts: list[Prompt],
                              "pass's earlier answers)")
             results.append(PassResult(method.name, "offline", batch_size, seconds,
                                       records, counter_delta({}, counters), notes,
-                                      startup_seconds=startup))
+                                      startup_seconds=startup,
+                                      row_counts=row_count_delta(rows_before,
+                                                                 esp_row_counts(llm))))
     finally:
         if llm is not None:
             shutdown(llm)

@@ -43,6 +43,7 @@ from benchmarks.metrics import (
     RequestRecord,
     counter_delta,
     parse_prometheus_counters,
+    row_count_delta,
 )
 
 SERVED_NAME = "bench"
@@ -96,6 +97,14 @@ class Server:
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen | None = None
 
+    def env(self) -> dict[str, str]:
+        env = os.environ.copy()
+        if is_esp(self.args):
+            # /collective_rpc (dev mode, bound to 127.0.0.1 here) reads the
+            # ESP worker's row counts; see scrape_rows.
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        return env
+
     def start(self) -> Server:
         """Start the subprocess and wait for /health; stops it on failure."""
         if self.process is not None:
@@ -104,7 +113,7 @@ class Server:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL,
-                                            start_new_session=True, env=os.environ.copy())
+                                            start_new_session=True, env=self.env())
         try:
             self._wait_healthy()
         except BaseException:
@@ -181,6 +190,25 @@ def _group_alive(group: int) -> bool:
 def scrape_counters(base_url: str) -> dict[str, float]:
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
         return parse_prometheus_counters(response.read().decode())
+
+
+def is_esp(server_args: list[str]) -> bool:
+    if "--speculative-config" not in server_args:
+        return False
+    config = json.loads(server_args[server_args.index("--speculative-config") + 1])
+    return config.get("method") == "esp"
+
+
+def scrape_rows(server: Server) -> dict[str, int] | None:
+    """The ESP worker's cumulative decode request-steps and rows (rank 0)."""
+    if not is_esp(server.args):
+        return None
+    request = urllib.request.Request(
+        f"{server.base_url}/collective_rpc", method="POST",
+        data=json.dumps({"method": "esp_row_counts"}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())["results"][0]
 
 
 # ---------------------------------------------------------------- load client
@@ -292,16 +320,20 @@ def run_online(method: Method, model: str, prompts: list[Prompt],
             startup: float | None = time.monotonic() - started
             for concurrency in group:
                 before = scrape_counters(server.base_url)
+                rows_before = scrape_rows(server)
                 records, seconds = asyncio.run(run_load(
                     server.base_url, prompts, concurrency, max_tokens, ignore_eos,
                     progress))
                 after = scrape_counters(server.base_url)
+                rows_after = scrape_rows(server)
                 notes = []
                 if method.cross_request_state:
                     notes.append("fresh server for this level (first pass over "
                                  "distinct prompts)")
                 results.append(PassResult(method.name, "online", concurrency, seconds,
                                           records, counter_delta(before, after), notes,
-                                          startup_seconds=startup))
+                                          startup_seconds=startup,
+                                          row_counts=row_count_delta(rows_before,
+                                                                     rows_after)))
                 startup = None  # only the first pass on a server pays for it
     return results

@@ -200,6 +200,24 @@ def render_markdown(results: dict) -> str:
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
 
+    # Every level: speed-up over `none` and rows per request-step.
+    level_keys = ([f"offline-b{b}" for b in offline_levels]
+                  + [f"online-c{c}" for c in online_levels])
+    if len(level_keys) > 1:
+        lines += ["## Speed-up and rows per step at every level", "",
+                  "speed-up over `none` (rows per request per decode step: 1 + "
+                  "verified draft slots, ESP's mask rows included / decode steps)",
+                  "", "| method | " + " | ".join(level_keys) + " |",
+                  "|---|" + "---|" * len(level_keys)]
+        for method, passes in by_method.items():
+            row = [f"`{method}`"]
+            for key in level_keys:
+                p = passes.get(key)
+                rows = _fmt(p["summary"].get("rows_per_step")) if p else "-"
+                row.append(f"{ratio(passes, key)} ({rows})")
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+
     # Per-category tau and tokens per decode step.
     categories = list(dict.fromkeys(p["category"] for p in results["prompts"]))
     spec_methods = [m for m in by_method if m != BASELINE]

@@ -27,6 +27,8 @@ from benchmarks.metrics import (
     percentile,
     replay_chain_drafts,
     request_tpot_s,
+    row_count_delta,
+    rows_per_step,
     summarize,
     target_forwards,
     tau,
@@ -68,6 +70,26 @@ def test_tau_and_forwards_on_known_steps():
     assert tokens_per_step([b]) == pytest.approx(9 / 7)
     assert tokens_per_step([a, b]) == pytest.approx(29 / 12)
     assert tokens_per_step([RequestRecord(2, "qa", list(range(8)))]) == 1.0
+
+    # Rows per request-step: a's 5 steps verify 20 drafts (5 rows each);
+    # b's 7 decode steps verify 6 drafts in 2 of them.
+    assert rows_per_step([a]) == pytest.approx(1 + 20 / 5)
+    assert rows_per_step([b]) == pytest.approx(1 + 6 / 7)
+    assert rows_per_step([RequestRecord(2, "qa", list(range(8)))]) == 1.0
+
+
+def test_esp_rows_come_from_the_worker_counts():
+    # ESP's per-request drafts count tree nodes only; the worker's counts
+    # (mask rows included) replace them for the pass.
+    record = spec_record(0, "qa", n=11, steps=5, accepted=5, drafts=10)
+    chain = PassResult("esp", "offline", 8, 1.0, [record])
+    assert chain.summary()["rows_per_step"] == pytest.approx(1 + 10 / 5)
+    counts = row_count_delta({"decode_request_steps": 100, "rows": 300},
+                             {"decode_request_steps": 140, "rows": 620})
+    assert counts == {"decode_request_steps": 40, "rows": 320}
+    worker = PassResult("esp", "offline", 8, 1.0, [record], row_counts=counts)
+    assert worker.summary()["rows_per_step"] == pytest.approx(8.0)
+    assert row_count_delta(None, {"rows": 1}) is None
 
 
 def test_forwards_when_max_tokens_cuts_the_last_step():
@@ -295,7 +317,8 @@ def test_missing_prompt_is_not_a_match():
 def test_report_tables_and_json_roundtrip():
     none_recs = [RequestRecord(0, "writing", [1, 2, 3, 4]),
                  RequestRecord(1, "coding", [5, 6, 7, 8])]
-    esp_recs = [spec_record(0, "writing", 4, 1, 2), spec_record(1, "coding", 4, 3, 0)]
+    esp_recs = [spec_record(0, "writing", 4, 1, 2, drafts=2),
+                spec_record(1, "coding", 4, 3, 0, drafts=0)]
     esp_recs[0].output_token_ids = [1, 2, 3, 4]
     esp_recs[1].output_token_ids = [5, 6, 7, 8]
     passes = [PassResult("none", "offline", 1, 2.0, none_recs),
@@ -319,6 +342,10 @@ def test_report_tables_and_json_roundtrip():
     assert "| writing | 3.00 |" in md.split("## tokens per decode step")[1]
     assert "| **overall** | 1.50 |" in md.split("## tokens per decode step")[1]
     assert "`suffix` skipped: no pkg" in md
+    # Every level: speed-up and rows per step (esp-4: 2 drafts over 1 + 3
+    # decode steps, 1 + 2 / 4 rows).
+    levels = md.split("## Speed-up and rows per step at every level")[1]
+    assert "| `esp-4` | 2.00x (1.50) | 2.00x (1.50) |" in levels
     loaded = json.loads(json.dumps(results))
     assert loaded["passes"][1]["records"][0]["target_forwards"] == 2
 
@@ -346,7 +373,7 @@ def test_esp_method_configs_are_valid():
             ESPConfig.from_dict(options)  # raises on a bad tree / budget
 
 
-def test_serve_command_and_request_payload():
+def test_serve_command_and_request_payload(monkeypatch):
     from benchmarks.online import completion_payload, serve_args
 
     options = {"dtype": "float32", "seed": 0, "max_model_len": 2048,
@@ -362,6 +389,14 @@ def test_serve_command_and_request_payload():
         "method": "esp", "candidates": ["esp"], "tree": [4]}
     plain = serve_args("/models/m", methods.METHODS["none"], 8123, options, max_num_seqs=4)
     assert "--speculative-config" not in plain
+    # Only ESP servers open the dev-mode /collective_rpc (row counts).
+    from benchmarks.online import Server, is_esp
+    assert is_esp(args) and not is_esp(plain)
+    assert not is_esp(serve_args("/models/m", methods.METHODS["ngram-k3"], 8123, options,
+                                 max_num_seqs=4))
+    assert Server(args, 8123, Path("log")).env()["VLLM_SERVER_DEV_MODE"] == "1"
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    assert "VLLM_SERVER_DEV_MODE" not in Server(plain, 8123, Path("log")).env()
     assert "--per-request-spec-decode-metrics" not in plain  # vLLM rejects it alone
 
     payload = completion_payload([1, 2, 3], 64, ignore_eos=False)

@@ -100,6 +100,7 @@ class ESPModelRunnerMixin:
         self._esp_step_started: float | None = None
         self._esp_step_rows = 0
         self._esp_tensor_parallel = self.parallel_config.tensor_parallel_size > 1
+        self._esp_decode_request_steps = self._esp_decode_rows = 0
 
     # ---------------------------------------------------------------- states
     def _update_states(self, scheduler_output):
@@ -259,8 +260,28 @@ class ESPModelRunnerMixin:
         return common_attn_metadata is not None
 
     # --------------------------------------------------------------- forward
+    def esp_row_counts(self) -> dict[str, int]:
+        return {"decode_request_steps": self._esp_decode_request_steps,
+                "rows": self._esp_decode_rows}
+
+    def _count_rows(self, scheduler_output) -> None:
+        scheduled = scheduler_output.num_scheduled_tokens
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        total = scheduler_output.total_num_scheduled_tokens
+        if total == len(scheduled) + sum(len(d) for d in drafts.values()):
+            self._esp_decode_request_steps += len(scheduled)  # decode only
+            self._esp_decode_rows += total
+            return
+        # A request decodes when it verifies drafts or schedules one token
+        # (a one-token prefill chunk is counted too: rare).
+        for req_id, tokens in scheduled.items():
+            if tokens == 1 or req_id in drafts:
+                self._esp_decode_request_steps += 1
+                self._esp_decode_rows += tokens
+
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         self._esp_step_started = None
+        self._count_rows(scheduler_output)
         if self.drafter.auto and not self._esp_tensor_parallel:
             # Only steps of decoding requests (no prefill chunk) teach the
             # cost model: their rows are blocks and roots.

@@ -79,3 +79,9 @@ class ESPCPUWorker(CPUWorker):
         times = super().compile_or_warm_up_model()
         self.model_runner.esp_profile_step_cost()
         return times
+
+    def esp_row_counts(self) -> dict[str, int]:
+        """Cumulative decode request-steps and their verification rows
+        (root, tree nodes and mask rows), for benchmarks: offline through
+        ``LLM.collective_rpc("esp_row_counts")``."""
+        return self.model_runner.esp_row_counts()
