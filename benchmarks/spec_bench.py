@@ -379,6 +379,11 @@ def main(argv=None) -> int:
                   flush=True)
         method_info[m.name]["seconds_total"] = round(time.monotonic() - method_started, 1)
         _print_method_line(m.name, [p for p in passes if p.method == m.name])
+        # A checkpoint: an interrupted run keeps the methods it finished.
+        partial = report.build_results({**meta, "partial": True}, config, prompt_info,
+                                       method_info, passes,
+                                       include_tokens=args.save_outputs)
+        report.write_json(partial, out_dir / "results.partial.json")
     bar.close()
     meta["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     meta["seconds_total"] = round(time.monotonic() - started, 1)
@@ -386,6 +391,7 @@ def main(argv=None) -> int:
     results = report.build_results(meta, config, prompt_info, method_info, passes,
                                    include_tokens=args.save_outputs)
     report.write_json(results, out_dir / "results.json")
+    (out_dir / "results.partial.json").unlink(missing_ok=True)
     markdown = report.render_markdown(results)
     (out_dir / "results.md").write_text(markdown)
     try:
