@@ -73,7 +73,9 @@ def main(argv=None) -> int:
     print(f"model: {model}\nprompts: {len(prompts)} from {source}, "
           f"{args.max_tokens} new tokens each, greedy, fp32, batch {args.batch_size}",
           flush=True)
-    common = dict(max_num_seqs=args.batch_size, progress=True)
+    # Both engines decode a short warm-up prompt first, untimed.
+    warmup_ids = data.chat_prompt_ids(tokenizer, {"turns": ["Say hello."]})
+    common = dict(max_num_seqs=args.batch_size, progress=True, warmup_ids=warmup_ids)
     print("\n[1/2] vLLM, no speculation", flush=True)
     plain = run_once(model, prompts, greedy, label="vLLM (no speculation)", **common)
     print(f"\n[2/2] vLLM + ESP {esp_options}", flush=True)

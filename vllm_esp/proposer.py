@@ -39,7 +39,7 @@ import torch
 from vllm.v1.outputs import DraftTokenIds
 
 from vllm_esp.config import ESPConfig
-from vllm_esp.core.batch import TreeBatch, TreeProposer
+from vllm_esp.core.batch import TreeBatch, TreeProposer, block_layouts, select_chains
 from vllm_esp.core.goodput import AcceptanceCalibration, StepBudget, StepCostModel
 from vllm_esp.core.mask_embedding import (
     ema_update_packed,
@@ -190,6 +190,25 @@ class ESPProposer:
         hidden = runner.inputs_embeds.gpu.shape[-1]
         self.mask_embeddings = torch.zeros(self.max_slots, hidden, dtype=torch.float32,
                                            device=runner.device)
+
+    def warm_up(self) -> None:
+        """Compile the per-step numba kernels at engine start-up rather than
+        in the first requests: on a fresh install that takes about 20 s,
+        after which numba's on-disk cache serves them. One proposal, block
+        layout and chain selection for a synthetic request, with the
+        engine's own buffers and dtypes; no request state is touched."""
+        runner = self.runner
+        token_ids = runner.input_batch.token_ids_cpu
+        rows = np.zeros(1, np.int64)
+        ends = np.full(1, min(8, token_ids.shape[1]), np.int64)
+        trees = self.tree_proposer.propose(
+            token_ids, rows, np.zeros(1, np.int64), ends,
+            token_ids[rows, ends - 1].astype(np.int64),
+            np.zeros_like(self.cand_tokens[:1]), np.zeros_like(self.cand_log_probs[:1]),
+            np.ones(1, np.bool_), runner.model_config.get_vocab_size(),
+            row_caps=self.max_model_len - ends, budget=self._step_budget(1))
+        block_layouts(trees)
+        select_chains(trees, np.zeros(trees.parents.shape, np.float32))
 
     def slots(self, req_ids: list[str]) -> np.ndarray:
         """Slots of ``req_ids``, assigning free ones to new requests."""

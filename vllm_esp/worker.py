@@ -78,6 +78,7 @@ class ESPCPUWorker(CPUWorker):
     def compile_or_warm_up_model(self):
         times = super().compile_or_warm_up_model()
         self.model_runner.esp_profile_step_cost()
+        self.model_runner.drafter.warm_up()
         return times
 
     def esp_row_counts(self) -> dict[str, int]:

@@ -115,10 +115,18 @@ def _request_spec_metrics(output) -> dict | None:
 
 def run_once(model: str, prompts_token_ids, sampling_params,
              speculative_config: dict | None = None, label: str = "",
-             progress: bool = False, **llm_kwargs) -> GenerationRun:
-    """Build an engine, generate, shut it down."""
+             progress: bool = False, warmup_ids: list[int] | None = None,
+             **llm_kwargs) -> GenerationRun:
+    """Build an engine, generate, shut it down. ``warmup_ids``: a prompt
+    decoded first (16 tokens, untimed), so that one-time costs such as
+    ESP's numba kernels compiling on a fresh install stay out of the timing
+    (the benchmarks warm up every engine the same way)."""
     llm = make_llm(model, speculative_config, **llm_kwargs)
     try:
+        if warmup_ids is not None:
+            from vllm import SamplingParams
+
+            generate(llm, [warmup_ids], SamplingParams(temperature=0.0, max_tokens=16))
         return generate(llm, prompts_token_ids, sampling_params, label=label,
                         progress=progress)
     finally:
