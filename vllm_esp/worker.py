@@ -11,10 +11,14 @@ the CPU worker construct the ESP model runner.
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_esp.patching import check_vllm_version
+
+logger = logging.getLogger("vllm.esp")
 
 ESP_CPU_ATTENTION_BACKEND = "vllm_esp.attention.ESPCPUAttentionBackend"
 
@@ -78,7 +82,10 @@ class ESPCPUWorker(CPUWorker):
     def compile_or_warm_up_model(self):
         times = super().compile_or_warm_up_model()
         self.model_runner.esp_profile_step_cost()
+        started = time.perf_counter()
         self.model_runner.drafter.warm_up()
+        logger.info("ESP: per-step kernels ready in %.1f s",
+                    time.perf_counter() - started)
         return times
 
     def esp_row_counts(self) -> dict[str, int]:
