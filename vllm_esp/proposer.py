@@ -473,7 +473,7 @@ class ESPProposer:
         table. Under tensor parallelism each rank holds a slice of the table
         (padded to equal sizes): every rank sums its real rows and the sums
         of all ranks are added, so every rank gets the same statistics."""
-        embedding = self.model.get_input_embeddings()
+        embedding = self._embedding_module()
         weight = embedding.weight
         shard = getattr(embedding, "shard_indices", None)
         if shard is None:
@@ -504,6 +504,27 @@ class ESPProposer:
             torch.distributed.all_reduce(row, group=group.cpu_group)
         scale = float(probe.norm() / row.norm().clamp(min=1e-12))
         return table_stats_from_sums(totals[:hidden], totals[hidden], int(totals[-1]), scale)
+
+    def _embedding_module(self):
+        """The model's input embedding table: vLLM's models expose
+        ``embed_input_ids``, not ``get_input_embeddings``; the table is
+        ``model.embed_tokens`` in the usual layout, else the first
+        vocabulary-parallel embedding that is not the LM head."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            ParallelLMHead,
+            VocabParallelEmbedding,
+        )
+
+        inner = getattr(self.model, "model", None)
+        embedding = getattr(inner, "embed_tokens", None)
+        if isinstance(embedding, VocabParallelEmbedding):
+            return embedding
+        for module in self.model.modules():
+            if (isinstance(module, VocabParallelEmbedding)
+                    and not isinstance(module, ParallelLMHead)):
+                return module
+        raise RuntimeError("ESP mask_init 'sample': the model has no input "
+                           "embedding table that ESP can read")
 
     def _embed(self, token_ids: list[int]) -> torch.Tensor:
         """The model's own embedding function (scaling included), in fp32.
