@@ -70,11 +70,15 @@ ESP_CONFIGS = [
                  marks=pytest.mark.slow),
     # The default: 'auto' block sizes (goodput per step, up to 32 rows).
     {},
+    # mask_init 'sample' reads the embedding table; when it could not, every
+    # request fell back to plain decoding (no drafts: caught below).
+    {"tree": [4], "mask_init": "sample", **ESP_ONLY},
 ]
 
 
 @pytest.mark.parametrize("options", ESP_CONFIGS, ids=[
-    "tree4", "tree29", "tree15-4", "bc30", "hybrid-bc10", "hybrid-bc30", "auto"])
+    "tree4", "tree29", "tree15-4", "bc30", "hybrid-bc10", "hybrid-bc30", "auto",
+    "tree4-sample"])
 def test_greedy_lossless_under_continuous_batching(
         smollm2_dir, prompts, greedy_params, baseline, options):
     esp = run_once(smollm2_dir, prompts, greedy_params,
