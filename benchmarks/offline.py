@@ -53,17 +53,14 @@ def run_offline(method: Method, model: str, prompts: list[Prompt],
                 batch_sizes: list[int], sampling_params, warmup_ids: list[int],
                 llm_options: dict[str, Any],
                 progress: Callable[[int], None] | None = None) -> list[PassResult]:
-    from vllm import SamplingParams
+    from vllm_esp_dev.runs import generate, make_llm, shutdown, warm_up
 
-    from vllm_esp_dev.runs import generate, make_llm, shutdown
-
-    warmup_params = SamplingParams(temperature=0.0, max_tokens=8)
     kwargs = engine_kwargs(method, llm_options)
 
     def new_engine(max_num_seqs: int):
         llm = make_llm(model, method.speculative_config,
                        max_num_seqs=max_num_seqs, **kwargs)
-        generate(llm, [warmup_ids], warmup_params)
+        warm_up(llm, warmup_ids)
         return llm
 
     results: list[PassResult] = []

@@ -197,16 +197,11 @@ class ESPProposer:
         after which numba's on-disk cache serves them. One proposal, block
         layout and chain selection for a synthetic request, with the
         engine's own buffers and dtypes; no request state is touched."""
-        runner = self.runner
-        token_ids = runner.input_batch.token_ids_cpu
-        rows = np.zeros(1, np.int64)
-        ends = np.full(1, min(8, token_ids.shape[1]), np.int64)
-        trees = self.tree_proposer.propose(
-            token_ids, rows, np.zeros(1, np.int64), ends,
-            token_ids[rows, ends - 1].astype(np.int64),
+        ends = np.full(1, min(8, self.runner.input_batch.token_ids_cpu.shape[1]), np.int64)
+        trees = self._propose_trees(
+            np.zeros(1, np.int64), np.zeros(1, np.int64), ends,
             np.zeros_like(self.cand_tokens[:1]), np.zeros_like(self.cand_log_probs[:1]),
-            np.ones(1, np.bool_), runner.model_config.get_vocab_size(),
-            row_caps=self.max_model_len - ends, budget=self._step_budget(1))
+            np.ones(1, np.bool_), num_requests=1)
         block_layouts(trees)
         select_chains(trees, np.zeros(trees.parents.shape, np.float32))
 
@@ -333,19 +328,11 @@ class ESPProposer:
         if indices.size == 0:
             return
         active_slots = slots[indices]
-        input_batch = runner.input_batch
-        ends = input_batch.num_tokens_no_spec[indices].astype(np.int64)
-        token_ids = input_batch.token_ids_cpu
-        # Near max_model_len a request's block shrinks to what still fits
-        # (the scheduler would cut it), instead of speculation stopping for
-        # the whole batch.
-        row_caps = self.max_model_len - ends
-        trees = self.tree_proposer.propose(
-            token_ids, indices, self.history_starts[active_slots], ends,
-            token_ids[indices, ends - 1].astype(np.int64),
+        ends = runner.input_batch.num_tokens_no_spec[indices].astype(np.int64)
+        trees = self._propose_trees(
+            indices, self.history_starts[active_slots], ends,
             self.cand_tokens[active_slots], self.cand_log_probs[active_slots],
-            self.has_candidates[active_slots], runner.model_config.get_vocab_size(),
-            row_caps=row_caps, budget=self._step_budget(len(req_ids)))
+            self.has_candidates[active_slots], num_requests=len(req_ids))
         pending = self.pending
         width = trees.parents.shape[1]
         pending.parents[active_slots, :width] = trees.parents
@@ -368,6 +355,22 @@ class ESPProposer:
         if with_masks.any():
             self._update_mask_embeddings([req_ids[i] for i in indices[with_masks]],
                                          active_slots[with_masks])
+
+    def _propose_trees(self, rows: np.ndarray, history_starts: np.ndarray,
+                       ends: np.ndarray, cand_tokens: np.ndarray,
+                       cand_log_probs: np.ndarray, has_candidates: np.ndarray,
+                       num_requests: int) -> TreeBatch:
+        """Trees for the input batch's ``rows`` (histories end at ``ends``)."""
+        token_ids = self.runner.input_batch.token_ids_cpu
+        # Near max_model_len a request's block shrinks to what still fits
+        # (the scheduler would cut it), instead of speculation stopping for
+        # the whole batch.
+        return self.tree_proposer.propose(
+            token_ids, rows, history_starts, ends,
+            token_ids[rows, ends - 1].astype(np.int64),
+            cand_tokens, cand_log_probs, has_candidates,
+            self.runner.model_config.get_vocab_size(),
+            row_caps=self.max_model_len - ends, budget=self._step_budget(num_requests))
 
     def _step_budget(self, num_requests: int) -> StepBudget | None:
         if not self.auto or self.cost_model is None:

@@ -48,7 +48,6 @@ import logging
 import os
 import platform
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -58,6 +57,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm_esp.core.batch import TreeBatch, select_chains
 from vllm_esp.core.goodput import StepCostModel
 from vllm_esp.core.proposal import mask_candidates
+from vllm_esp.kernels import cache_root
 from vllm_esp.profiling import scope
 from vllm_esp.proposer import ESPDraftTokenIds, ESPProposer
 from vllm_esp.step import ESPStep, set_current_step
@@ -209,8 +209,8 @@ class ESPModelRunnerMixin:
                           platform.machine(), platform.processor(), os.cpu_count(),
                           torch.get_num_threads(), self.parallel_config.tensor_parallel_size,
                           PROFILE_TOKENS])
-        cache = (Path(os.environ.get("VLLM_ESP_CACHE", Path.home() / ".cache" / "vllm-esp"))
-                 / "step-cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json"))
+        cache = (cache_root() / "step-cost"
+                 / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json"))
         points = None
         if cache.is_file():
             try:
@@ -264,34 +264,34 @@ class ESPModelRunnerMixin:
         return {"decode_request_steps": self._esp_decode_request_steps,
                 "rows": self._esp_decode_rows}
 
-    def _count_rows(self, scheduler_output) -> None:
+    def _count_decode_rows(self, scheduler_output) -> int:
+        """Add this step's decoding requests and their verification rows to
+        ``esp_row_counts``. Returns the step's rows when every scheduled
+        request decodes (no prefill chunk), else 0."""
         scheduled = scheduler_output.num_scheduled_tokens
         drafts = scheduler_output.scheduled_spec_decode_tokens
         total = scheduler_output.total_num_scheduled_tokens
-        if total == len(scheduled) + sum(len(d) for d in drafts.values()):
-            self._esp_decode_request_steps += len(scheduled)  # decode only
+        if total and total == len(scheduled) + sum(len(d) for d in drafts.values()):
+            self._esp_decode_request_steps += len(scheduled)
             self._esp_decode_rows += total
-            return
+            return total
         # A request decodes when it verifies drafts or schedules one token
         # (a one-token prefill chunk is counted too: rare).
         for req_id, tokens in scheduled.items():
             if tokens == 1 or req_id in drafts:
                 self._esp_decode_request_steps += 1
                 self._esp_decode_rows += tokens
+        return 0
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         self._esp_step_started = None
-        self._count_rows(scheduler_output)
-        if self.drafter.auto and not self._esp_tensor_parallel:
+        rows = self._count_decode_rows(scheduler_output)
+        if (rows and self.drafter.auto and not self._esp_tensor_parallel
+                and not scheduler_output.scheduled_new_reqs):
             # Only steps of decoding requests (no prefill chunk) teach the
             # cost model: their rows are blocks and roots.
-            rows = scheduler_output.total_num_scheduled_tokens
-            drafts = sum(len(d) for d in
-                         scheduler_output.scheduled_spec_decode_tokens.values())
-            if (rows and not scheduler_output.scheduled_new_reqs
-                    and rows == len(scheduler_output.num_scheduled_tokens) + drafts):
-                self._esp_step_started = time.perf_counter()
-                self._esp_step_rows = rows
+            self._esp_step_started = time.perf_counter()
+            self._esp_step_rows = rows
         try:
             output = super().execute_model(scheduler_output, intermediate_tensors)
         finally:

@@ -113,20 +113,24 @@ def _request_spec_metrics(output) -> dict | None:
     return metrics.to_dict() if metrics is not None else None
 
 
+def warm_up(llm, prompt_ids: list[int]) -> None:
+    """Decode ``prompt_ids`` for 8 tokens, untimed: one-time costs (first
+    kernel calls, allocator growth) stay out of the timed runs."""
+    from vllm import SamplingParams
+
+    generate(llm, [prompt_ids], SamplingParams(temperature=0.0, max_tokens=8))
+
+
 def run_once(model: str, prompts_token_ids, sampling_params,
              speculative_config: dict | None = None, label: str = "",
              progress: bool = False, warmup_ids: list[int] | None = None,
              **llm_kwargs) -> GenerationRun:
-    """Build an engine, generate, shut it down. ``warmup_ids``: a prompt
-    decoded first (16 tokens, untimed), so that one-time costs such as
-    ESP's numba kernels compiling on a fresh install stay out of the timing
-    (the benchmarks warm up every engine the same way)."""
+    """Build an engine, generate, shut it down; with ``warmup_ids``, first
+    ``warm_up`` on them (as the benchmarks warm up every engine)."""
     llm = make_llm(model, speculative_config, **llm_kwargs)
     try:
         if warmup_ids is not None:
-            from vllm import SamplingParams
-
-            generate(llm, [warmup_ids], SamplingParams(temperature=0.0, max_tokens=16))
+            warm_up(llm, warmup_ids)
         return generate(llm, prompts_token_ids, sampling_params, label=label,
                         progress=progress)
     finally:
