@@ -1,0 +1,47 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ESP runner's row counts (``esp_row_counts``, read by the benchmarks'
+rows-per-step column) and the decode-only test that also gates the 'auto'
+cost model's timing, on hand-made scheduler outputs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from vllm_esp.runner import ESPModelRunnerMixin
+
+
+def counter():
+    runner = SimpleNamespace(_esp_decode_request_steps=0, _esp_decode_rows=0)
+    count = ESPModelRunnerMixin._count_decode_rows.__get__(runner)
+    rows = ESPModelRunnerMixin.esp_row_counts.__get__(runner)
+    return count, rows
+
+
+def step(scheduled: dict[str, int], drafts: dict[str, list[int]]):
+    return SimpleNamespace(num_scheduled_tokens=scheduled,
+                           scheduled_spec_decode_tokens=drafts,
+                           total_num_scheduled_tokens=sum(scheduled.values()))
+
+
+def test_decode_only_step_counts_every_request_and_row():
+    count, rows = counter()
+    # a: a 6-row block (root + 5 draft slots); b: a plain step.
+    assert count(step({"a": 6, "b": 1}, {"a": [1, 2, 3, 4, 5]})) == 7
+    assert rows() == {"decode_request_steps": 2, "rows": 7}
+
+
+def test_prefill_chunk_is_not_a_decode_row():
+    count, rows = counter()
+    # c prefills 40 tokens beside a's 3-row block and b's plain step: the
+    # step is not decode-only (0: the cost model skips it), and only a and
+    # b count.
+    assert count(step({"a": 3, "b": 1, "c": 40}, {"a": [7, 8]})) == 0
+    assert rows() == {"decode_request_steps": 2, "rows": 4}
+    count(step({"a": 1}, {}))
+    assert rows() == {"decode_request_steps": 3, "rows": 5}
+
+
+def test_empty_step_counts_nothing():
+    count, rows = counter()
+    assert count(step({}, {})) == 0
+    assert rows() == {"decode_request_steps": 0, "rows": 0}
