@@ -192,6 +192,29 @@ def test_per_request_steps_match_reference_decoder(smollm2_dir, prompts, options
         assert list(metrics.per_step_drafted) == reference_drafted
 
 
+def test_sample_mask_init_repeats_exactly(tiny_llama_dir):
+    """mask_init 'sample' draws each request's mask vector from a seed: the
+    same prompts twice in one engine must draft and accept exactly alike.
+    Seeding by request id failed this: vLLM appends a random suffix to
+    every request id, so each run (and TP=2 against TP=1) drew anew."""
+    from vllm import SamplingParams
+
+    prompts = [[(31 * i + 7 * j) % 512 for j in range(12 + 5 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm = make_llm(tiny_llama_dir, {"method": "esp", "mask_init": "sample", "tree": [4],
+                                    **ESP_ONLY},
+                   skip_tokenizer_init=True, max_model_len=512, max_num_seqs=4,
+                   enable_prefix_caching=False)
+    try:
+        first = generate(llm, prompts, params)
+        second = generate(llm, prompts, params)
+    finally:
+        shutdown(llm)
+    assert first.num_drafts > 0
+    assert first.token_ids == second.token_ids
+    assert first.counters == second.counters
+
+
 def test_sampling_is_seeded_and_coherent_and_greedy_unaffected(
         smollm2_dir, prompts, baseline):
     """Seeded sampling with ESP repeats exactly, returns logprobs, and greedy

@@ -450,7 +450,7 @@ class ESPProposer:
         for i, prompt in zip(new, prompt_part.split(prompt_counts)):
             if int(i) in prompt_embeds:
                 prompt = prompt_embeds[int(i)].to(prompt_part)
-            self.mask_embeddings[slots[i]] = self._initial(req_ids[i], prompt)
+            self.mask_embeddings[slots[i]] = self._initial(requests[req_ids[i]], prompt)
             self.initialized[slots[i]] = True
         if fold_tokens:
             owner = torch.from_numpy(np.repeat(np.arange(len(slots)), fold_counts - folded))
@@ -459,15 +459,21 @@ class ESPProposer:
                 self.mask_embeddings[slot_index], fold_part, owner, config.ema)
         self.num_folded[slots] = fold_counts
 
-    def _initial(self, req_id: str, prompt_embeddings: torch.Tensor) -> torch.Tensor:
+    def _initial(self, request, prompt_embeddings: torch.Tensor) -> torch.Tensor:
         mode = self.esp_config.mask_init
         if mode != "sample":
             return initial_mask_embedding(prompt_embeddings, mode)
         if self._table_stats is None:
             self._table_stats = self._embedding_table_stats()
         mu, sigma = self._table_stats
-        # A stable hash: every TP rank must draw the same vector.
-        generator = torch.Generator().manual_seed(zlib.crc32(req_id.encode()))
+        # Seeded by the prompt, not the request id: vLLM appends a random
+        # suffix to every request id, and the draw must be the same on every
+        # TP rank and in every run.
+        if request.prompt_token_ids is not None:
+            prompt_bytes = np.asarray(request.prompt_token_ids, np.int64).tobytes()
+        else:
+            prompt_bytes = prompt_embeddings.float().cpu().numpy().tobytes()
+        generator = torch.Generator().manual_seed(zlib.crc32(prompt_bytes))
         noise = torch.randn(mu.shape, generator=generator)
         return mu + sigma * noise
 
