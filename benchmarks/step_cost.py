@@ -271,10 +271,18 @@ class Worker:
         self.process = context.Process(target=_worker, args=(child, method, options),
                                        daemon=True)
         self.process.start()
+        # Only the worker holds its end now: if it dies, recv() raises EOFError
+        # instead of waiting forever.
+        child.close()
         self._expect("ready")
 
     def _expect(self, status: str = "ok"):
-        got, payload = self.connection.recv()
+        try:
+            got, payload = self.connection.recv()
+        except EOFError:
+            self.process.join(timeout=10)
+            raise RuntimeError(f"{self.method} worker died (exit code "
+                               f"{self.process.exitcode}); its log is above") from None
         if got != status:
             raise RuntimeError(f"{self.method} worker failed:\n{payload}")
         return payload

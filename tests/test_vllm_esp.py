@@ -271,3 +271,28 @@ def test_structured_output_stays_valid_and_plain_requests_unchanged(
     for text in run.texts[4:]:
         parsed = json.loads(text)
         assert set(parsed) == {"name", "age"} and isinstance(parsed["age"], int)
+
+
+def test_engine_starts_when_the_warm_up_proposes_no_tree(tiny_llama_dir):
+    """At start-up ESP compiles its per-step kernels on a synthetic request.
+    A proposal may give that request no tree ('auto' when rows cost too
+    much; here a candidate source that proposes no block): the layout and
+    chain kernels then read an empty tree out of bounds and the engine died
+    of a segfault before serving anything."""
+    from vllm import SamplingParams
+
+    import benchmarks.step_cost as step_cost
+
+    assert step_cost._ROWS["value"] == 1  # the source proposes no block
+    prompts = [[(13 * i + 5 * j) % 512 for j in range(10 + 3 * i)] for i in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = make_llm(tiny_llama_dir, {"method": "esp", "block_complexity": 8, **ESP_ONLY},
+                   additional_config={"esp_candidate_source": {
+                       "class": "benchmarks.step_cost.SizedTreeSource", "kwargs": {}}},
+                   skip_tokenizer_init=True, max_model_len=512, max_num_seqs=2)
+    try:
+        run = generate(llm, prompts, params)
+    finally:
+        shutdown(llm)
+    assert [len(t) for t in run.token_ids] == [8, 8]
+    assert run.num_drafts == 0
