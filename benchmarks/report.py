@@ -129,6 +129,15 @@ def _match_cell(passes: dict[str, dict]) -> str:
     return cell if matched == compared else f"**{cell} MISMATCH**"
 
 
+
+def _selection(config: dict) -> str:
+    """Which questions of every category a run took."""
+    per_category, skip = config.get("per_category"), config.get("skip_per_category") or 0
+    if not per_category:
+        return ""
+    first = skip + 1
+    return f"; questions {first}-{skip + per_category} of every category"
+
 def render_markdown(results: dict) -> str:
     meta, config = results["meta"], results["config"]
     by_method = _passes_by(results)
@@ -142,7 +151,8 @@ def render_markdown(results: dict) -> str:
         f"- model: `{config.get('model')}`, dtype {config.get('dtype')}, "
         f"{'torch.compile' if config.get('compile') else 'eager'}, "
         f"prefix caching {'on' if config.get('prefix_caching') else 'off'}",
-        f"- prompts: {len(results['prompts'])} ({config.get('prompt_source')}), "
+        f"- prompts: {len(results['prompts'])} ({config.get('prompt_source')}"
+        f"{_selection(config)}), "
         f"max {config.get('max_tokens')} new tokens, greedy"
         f"{', ignore_eos' if config.get('ignore_eos') else ''}",
         f"- machine: {meta.get('machine', {}).get('summary', '?')}; load average "

@@ -70,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
              "../shared/data/spec_bench/question.jsonl); 'bundled' for the "
              "project's own 26 prompts")
     add("--per-category", type=int, default=1, help="questions per category")
+    add("--skip-per-category", type=int, default=0, metavar="N",
+        help="leave out the first N questions of every category (4 keeps "
+             "clear of the prompts the hybrid's priors were fitted on)")
     add("--full", action="store_true", help="all questions (480 for Spec-Bench)")
     add("--categories", nargs="+", default=None, help="only these categories")
     add("--humaneval", type=int, default=0, metavar="N",
@@ -196,7 +199,7 @@ def load_questions(args) -> tuple[list[dict], str]:
             raise SystemExit(f"unknown categories {unknown}; known: {sorted(known)}")
         questions = [q for q in questions if q["category"] in args.categories]
     per_category = max(1, len(questions)) if args.full else args.per_category
-    selected = data.select_questions(questions, per_category)
+    selected = data.select_questions(questions, per_category, skip=args.skip_per_category)
     source = ("bundled prompts" if args.dataset == "bundled"
               else str(args.dataset or data.default_spec_bench_path()))
     if args.humaneval:
@@ -320,6 +323,7 @@ def main(argv=None) -> int:
         "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
         "temperature": 0.0, "seed": args.seed, "max_model_len": max_model_len,
         "prompt_source": source, "per_category": None if args.full else args.per_category,
+        "skip_per_category": args.skip_per_category,
         "categories": args.categories,
         "batch_sizes": args.batch_sizes if run_offline_pass else [],
         "concurrency": args.concurrency if run_online_pass else [],

@@ -463,3 +463,18 @@ def test_sigterm_stops_the_server_process_group(tmp_path, mode):
     finally:
         if _group_alive(server_group):
             os.killpg(server_group, signal.SIGKILL)
+
+
+def test_select_questions_skips_the_first_of_every_category():
+    from benchmarks.report import _selection
+    from vllm_esp_dev.data import select_questions
+
+    questions = [{"category": c, "id": f"{c}{i}"} for c in "ab" for i in range(6)]
+    assert [q["id"] for q in select_questions(questions, 2)] == ["a0", "b0", "a1", "b1"]
+    assert [q["id"] for q in select_questions(questions, 2, skip=4)] == [
+        "a4", "b4", "a5", "b5"]
+    assert [q["id"] for q in select_questions(questions, 3, skip=4)] == [
+        "a4", "b4", "a5", "b5"]  # only 6 per category
+    assert _selection({"per_category": 2, "skip_per_category": 4}) == (
+        "; questions 5-6 of every category")
+    assert _selection({"per_category": None}) == ""

@@ -73,15 +73,15 @@ def categories(questions: list[dict]) -> list[str]:
 
 
 def select_questions(questions: list[dict], per_category: int,
-                     limit: int | None = None) -> list[dict]:
-    """The first ``per_category`` questions of every category, interleaved
-    across categories so that any prefix of the list mixes categories and
-    prompt lengths."""
+                     limit: int | None = None, skip: int = 0) -> list[dict]:
+    """The first ``per_category`` questions of every category after its
+    first ``skip``, interleaved across categories so that any prefix of the
+    list mixes categories and prompt lengths."""
     by_category: dict[str, list[dict]] = {}
     for question in questions:
         by_category.setdefault(question["category"], []).append(question)
     selected = []
-    for rank in range(per_category):
+    for rank in range(skip, skip + per_category):
         for items in by_category.values():
             if rank < len(items):
                 selected.append(items[rank])
