@@ -454,7 +454,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             f"| {row['batch']} | {row['context']} | {row['rows']} "
             f"| {_fmt(row.get('esp_vs_chain'))} | {_fmt(row.get('esp_vs_plain'))} "
             f"| {_fmt(row.get('chain_vs_plain'))} "
-            f"| {row['esp_scheduled']:.0f} / {row.get('chain_scheduled', float('nan')):.0f} "
+            f"| {row['esp_scheduled']:.0f} / {_count(row.get('chain_scheduled'))} "
             f"| {row['mean_context']:.0f} |")
     for profile in results.get("profiles", []):
         lines += ["", f"## Where an ESP step goes: batch {profile['batch']}, "
@@ -467,6 +467,10 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 def _fmt(value) -> str:
     return "-" if value is None else f"{value:.2f}x"
+
+
+def _count(value) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def plot(results: dict[str, Any], path: Path) -> None:

@@ -478,3 +478,26 @@ def test_select_questions_skips_the_first_of_every_category():
     assert _selection({"per_category": 2, "skip_per_category": 4}) == (
         "; questions 5-6 of every category")
     assert _selection({"per_category": None}) == ""
+
+
+def test_step_cost_table_ratios_and_missing_methods():
+    from benchmarks.step_cost import ratio_table, render_markdown
+
+    def cell(method, rows, seconds, scheduled):
+        return {"method": method, "batch": 8, "context": 128, "rows": rows,
+                "median_seconds": seconds, "median_scheduled_tokens": scheduled,
+                "mean_context": 130.0}
+
+    cells = [cell("plain", 1, 0.100, 8), cell("esp", 1, 0.102, 8),
+             cell("plain", 10, 0.100, 8), cell("chain", 10, 0.250, 80),
+             cell("esp", 10, 0.230, 80)]
+    table = {row["rows"]: row for row in ratio_table(cells)}
+    assert abs(table[10]["esp_vs_chain"] - 0.92) < 1e-9
+    assert abs(table[10]["chain_vs_plain"] - 2.5) < 1e-9
+    assert abs(table[1]["esp_vs_plain"] - 1.02) < 1e-9
+    assert "esp_vs_chain" not in table[1]
+    text = render_markdown({"meta": {"date": "d", "command": "c", "commit": "x",
+                                     "machine": "m"}, "cells": cells})
+    assert "| 8 | 128 | 1 | - | 1.02x | - | 8 / - | 130 |" in text
+    assert "| 8 | 128 | 10 | 0.92x | 2.30x | 2.50x | 80 / 80 | 130 |" in text
+    assert "nan" not in text
