@@ -129,7 +129,6 @@ def _match_cell(passes: dict[str, dict]) -> str:
     return cell if matched == compared else f"**{cell} MISMATCH**"
 
 
-
 def _selection(config: dict) -> str:
     """Which questions of every category a run took."""
     per_category, skip = config.get("per_category"), config.get("skip_per_category") or 0
@@ -137,6 +136,7 @@ def _selection(config: dict) -> str:
         return ""
     first = skip + 1
     return f"; questions {first}-{skip + per_category} of every category"
+
 
 def render_markdown(results: dict) -> str:
     meta, config = results["meta"], results["config"]
