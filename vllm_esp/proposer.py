@@ -202,11 +202,6 @@ class ESPProposer:
             np.zeros(1, np.int64), np.zeros(1, np.int64), ends,
             np.zeros_like(self.cand_tokens[:1]), np.zeros_like(self.cand_log_probs[:1]),
             np.ones(1, np.bool_), num_requests=1)
-        # The layout and chain kernels take only trees with a root (a step
-        # drops requests without a block); a candidate source may propose
-        # none for this request, so lay out the root alone then.
-        if not trees.num_nodes[0]:
-            trees.num_nodes[0] = 1
         block_layouts(trees)
         select_chains(trees, np.zeros(trees.parents.shape, np.float32))
 

@@ -123,3 +123,32 @@ def test_select_chains_equals_per_tree_chain():
             child_scores[i, t] = logits[parents[t], tree.tokens[t]]
         chains, lengths = select_chains(batch, child_scores)
         assert chains[i, :lengths[i]].tolist() == expected.tolist()
+
+
+def test_requests_without_a_tree_get_no_rows_and_no_chain():
+    # A step may hold requests with no tree (num_nodes == 0) between ones
+    # with a tree; the kernels must skip them without reading past them,
+    # and the others' results must not change.
+    rng = np.random.default_rng(7)
+    trees = [_random_tree(rng, 1) for _ in range(4)]
+    with_gaps = [None, trees[0], trees[1], None, trees[2], trees[3], None]
+    full, gapped = TreeBatch.from_trees(trees, 1), TreeBatch.from_trees(with_gaps, 1)
+    empty = [i for i, tree in enumerate(with_gaps) if tree is None]
+    kept = [i for i, tree in enumerate(with_gaps) if tree is not None]
+
+    layouts, reference = block_layouts(gapped), block_layouts(full)
+    assert layouts.num_rows[empty].tolist() == [0, 0, 0]
+    assert not layouts.attention_masks[empty].any()
+    rows = reference.position_offsets.shape[1]
+    np.testing.assert_array_equal(layouts.num_rows[kept], reference.num_rows)
+    np.testing.assert_array_equal(layouts.attention_masks[kept][:, :rows, :rows],
+                                  reference.attention_masks)
+
+    scores = rng.standard_normal(gapped.parents.shape).astype(np.float32)
+    chains, lengths = select_chains(gapped, scores)
+    reference_chains, reference_lengths = select_chains(full, scores[kept])
+    assert lengths[empty].tolist() == [0, 0, 0]
+    np.testing.assert_array_equal(lengths[kept], reference_lengths)
+    for tree_index, row in enumerate(kept):
+        assert (chains[row, :lengths[row]].tolist()
+                == reference_chains[tree_index, :reference_lengths[tree_index]].tolist())

@@ -478,6 +478,10 @@ def layouts_kernel(parents, masked, num_nodes, num_mask_tokens, out_num_rows,
     k = num_mask_tokens
     for b in range(parents.shape[0]):
         size = num_nodes[b]
+        if size == 0:
+            # No tree: no rows. Callers need not filter these out first.
+            out_num_rows[b] = 0
+            continue
         out_depths[b, 0] = 0
         for t in range(1, size):
             out_depths[b, t] = out_depths[b, parents[b, t]] + 1
@@ -510,7 +514,8 @@ def layouts_kernel(parents, masked, num_nodes, num_mask_tokens, out_num_rows,
 
 
 def block_layouts(trees: TreeBatch) -> BlockLayouts:
-    """Layouts of every tree in ``trees`` (all must have a tree)."""
+    """Layouts of every tree in ``trees``; a request without a tree
+    (``num_nodes == 0``) gets no rows."""
     batch, width = trees.parents.shape
     k = trees.num_mask_tokens
     max_rows = int(trees.block_sizes().max()) if batch else 1
@@ -531,6 +536,10 @@ def block_layouts(trees: TreeBatch) -> BlockLayouts:
 def chains_kernel(parents, num_nodes, child_scores, out_chains, out_lengths):
     for b in range(parents.shape[0]):
         size = num_nodes[b]
+        if size == 0:
+            # No tree, so no root to start the chain from.
+            out_lengths[b] = 0
+            continue
         best = np.full(size, -1, np.int64)
         for t in range(1, size):
             parent = parents[b, t]
@@ -552,7 +561,7 @@ def select_chains(trees: TreeBatch, child_scores: np.ndarray
     node index on ties. ``child_scores[b, t]`` is the target's score
     (logit) of node ``t``'s token at its parent's row. Returns the chains
     ``[B, T]`` (node indices, root first) and their lengths (root
-    included)."""
+    included; 0 for a request without a tree)."""
     batch, width = trees.parents.shape
     chains = np.zeros((batch, width), np.int64)
     lengths = np.zeros(batch, np.int64)
