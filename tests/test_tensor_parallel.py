@@ -4,8 +4,11 @@
 
 Every rank builds the same trees from the all-gathered logits, embeds the
 mask vectors with the same collective calls, and relocates the KV of its own
-heads. Greedy ESP at TP=2 must therefore give exactly TP=1's plain output,
-with the same spec-decode counters as ESP at TP=1.
+heads. Greedy ESP at TP=2 must therefore give exactly TP=1's plain output.
+With fixed block sizes it must also give the same spec-decode counters as
+ESP at TP=1. ``"auto"`` blocks (the default) follow the measured step
+times, which differ between TP=1 and TP=2 and between runs, so there only
+the outputs must agree, and the TP=2 run must speculate.
 
 Two CPU workers need one core each: ``VLLM_CPU_OMP_THREADS_BIND="0|1"``
 (without it vLLM stops with "Not enough allowed NUMA nodes to bind threads
@@ -21,6 +24,7 @@ import os
 import pytest
 import torch
 
+from vllm_esp.config import ESPConfig
 from vllm_esp_dev.runs import run_once
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -42,6 +46,10 @@ def _tiny_prompts() -> list[list[int]]:
             for i in range(NUM_PROMPTS)]
 
 
+def _esp_options(speculative_config: dict) -> dict:
+    return {k: v for k, v in speculative_config.items() if k != "method"}
+
+
 # TP=1 runs are the same for every executor: run them once per session.
 _TP1_RUNS: dict[str, object] = {}
 
@@ -57,7 +65,7 @@ def _tp1_run(model, prompts, params, speculative_config, label, **llm_kwargs):
 def _check_tp2_matches_tp1(model, prompts, speculative_config, executor="mp",
                            worker_probe=None, **llm_kwargs):
     """TP=2 ESP on ``executor`` = TP=1 plain greedy, with TP=1 ESP's
-    counters. Returns the TP=2 run and, if given, ``worker_probe(worker)``'s
+    counters when the blocks are fixed (module docstring). Returns the TP=2 run and, if given, ``worker_probe(worker)``'s
     result from every worker of the TP=2 engine (vLLM sends a function to
     its workers only with VLLM_ALLOW_INSECURE_SERIALIZATION=1)."""
     from vllm import SamplingParams
@@ -81,7 +89,8 @@ def _check_tp2_matches_tp1(model, prompts, speculative_config, executor="mp",
     assert len(esp_tp2.token_ids) == len(prompts) >= NUM_PROMPTS
     assert all(len(t) == NEW_TOKENS for t in esp_tp2.token_ids)
     assert esp_tp2.num_drafts > 0 and esp_tp2.num_accepted > 0
-    assert esp_tp2.counters == esp_tp1.counters
+    if not ESPConfig.from_dict(_esp_options(speculative_config)).auto:
+        assert esp_tp2.counters == esp_tp1.counters
     return esp_tp2, probes
 
 
