@@ -35,6 +35,7 @@ from test_tensor_parallel import (
     GEMMA3_KWARGS,
     NEW_TOKENS,
     NUM_PROMPTS,
+    TINY_CONFIGS,
     TINY_KWARGS,
     _check_tp2_matches_tp1,
     _gemma3_prompts,
@@ -134,10 +135,7 @@ def _check_workers(reports):
     assert len({r["pid"] for r in reports}) == 2
 
 
-@pytest.mark.parametrize("speculative_config", [
-    {"method": "esp"},
-    {"method": "esp", "block_complexity": 12, "num_mask_tokens": 2, "candidates": ["esp"]},
-], ids=["default", "esp-bc12-k2"])
+@pytest.mark.parametrize("speculative_config", TINY_CONFIGS)
 def test_ray_tp2_tiny_llama(tiny_llama_dir, ray_tp2, speculative_config):
     _, reports = _check_tp2_matches_tp1(
         tiny_llama_dir, _tiny_prompts(), speculative_config, executor="ray",
