@@ -46,10 +46,6 @@ def _tiny_prompts() -> list[list[int]]:
             for i in range(NUM_PROMPTS)]
 
 
-def _esp_options(speculative_config: dict) -> dict:
-    return {k: v for k, v in speculative_config.items() if k != "method"}
-
-
 # TP=1 runs are the same for every executor: run them once per session.
 _TP1_RUNS: dict[str, object] = {}
 
@@ -65,9 +61,10 @@ def _tp1_run(model, prompts, params, speculative_config, label, **llm_kwargs):
 def _check_tp2_matches_tp1(model, prompts, speculative_config, executor="mp",
                            worker_probe=None, **llm_kwargs):
     """TP=2 ESP on ``executor`` = TP=1 plain greedy, with TP=1 ESP's
-    counters when the blocks are fixed (module docstring). Returns the TP=2 run and, if given, ``worker_probe(worker)``'s
-    result from every worker of the TP=2 engine (vLLM sends a function to
-    its workers only with VLLM_ALLOW_INSECURE_SERIALIZATION=1)."""
+    counters when the blocks are fixed (module docstring). Returns the TP=2
+    run and, if given, ``worker_probe(worker)``'s result from every worker
+    of the TP=2 engine (vLLM sends a function to its workers only with
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1)."""
     from vllm import SamplingParams
 
     from vllm_esp_dev.runs import generate, make_llm, shutdown
@@ -89,7 +86,8 @@ def _check_tp2_matches_tp1(model, prompts, speculative_config, executor="mp",
     assert len(esp_tp2.token_ids) == len(prompts) >= NUM_PROMPTS
     assert all(len(t) == NEW_TOKENS for t in esp_tp2.token_ids)
     assert esp_tp2.num_drafts > 0 and esp_tp2.num_accepted > 0
-    if not ESPConfig.from_dict(_esp_options(speculative_config)).auto:
+    options = {k: v for k, v in speculative_config.items() if k != "method"}
+    if not ESPConfig.from_dict(options).auto:
         assert esp_tp2.counters == esp_tp1.counters
     return esp_tp2, probes
 
