@@ -62,13 +62,23 @@ MAX_ROWS = 30
 # which vLLM instantiates inside the same process. (Always go through
 # set_rows: in a spawned worker this file is also loaded as __mp_main__,
 # whose globals vLLM's import of benchmarks.step_cost does not share.)
-_ROWS = {"value": 1}
+_ROWS = {"value": 1, "drafting_requests": None}
 
 
-def set_rows(rows: int) -> None:
+def set_rows(rows: int, drafting_requests: int | None = None) -> None:
+    """``rows`` per drafting request; only the first ``drafting_requests``
+    requests of a step draft (all when None), the others take a plain
+    step."""
     import importlib
 
-    importlib.import_module("benchmarks.step_cost")._ROWS["value"] = rows
+    state = importlib.import_module("benchmarks.step_cost")._ROWS
+    state["value"] = rows
+    state["drafting_requests"] = drafting_requests
+
+
+def _drafts(index: int) -> bool:
+    limit = _ROWS["drafting_requests"]
+    return limit is None or index < limit
 
 
 # ----------------------------------------------------------- draft sources
@@ -90,7 +100,8 @@ class FullLengthProposer:
                 token_ids_cpu=None, slot_mappings=None) -> list[list[int]]:
         num_drafts = _ROWS["value"] - 1
         return [self.rng.integers(0, self.vocab_size, num_drafts).tolist()
-                if sampled else [] for sampled in sampled_token_ids]
+                if sampled and _drafts(i) else []
+                for i, sampled in enumerate(sampled_token_ids)]
 
 
 class SizedTreeSource:
@@ -124,6 +135,10 @@ class SizedTreeSource:
             trees.tokens[:, 0] = roots
             trees.masked[:, 0] = True
             trees.num_nodes[:] = 1
+        for i in range(roots.shape[0]):
+            if not _drafts(i):
+                trees.num_nodes[i] = 0
+                trees.masked[i] = False
         return trees
 
 
@@ -150,10 +165,12 @@ class _Engine:
     """One vLLM engine in this process, with timed single steps."""
 
     def __init__(self, method: str, model: str, max_rows: int, dtype: str,
-                 max_num_seqs: int, max_model_len: int) -> None:
+                 max_num_seqs: int, max_model_len: int,
+                 drafting_requests: int | None = None) -> None:
         from vllm_esp_dev.runs import make_llm
 
         self.method = method
+        self.drafting_requests = drafting_requests
         self.llm = make_llm(model, dtype=dtype, max_num_seqs=max_num_seqs,
                             max_model_len=max_model_len,
                             enable_prefix_caching=False,
@@ -207,7 +224,7 @@ class _Engine:
         return float(np.mean([r.num_tokens for r in requests])) if requests else 0.0
 
     def measure(self, rows: int, steps: int, warmup: int) -> dict[str, Any]:
-        set_rows(rows)
+        set_rows(rows, self.drafting_requests)
         for _ in range(warmup):
             self.engine.step()
         times, scheduled, contexts = [], [], []
@@ -224,7 +241,7 @@ class _Engine:
     def profile(self, rows: int, steps: int, warmup: int) -> dict[str, Any]:
         from benchmarks.step_profile import profile_steps
 
-        set_rows(rows)
+        set_rows(rows, self.drafting_requests)
         for _ in range(warmup):
             self.engine.step()
         return profile_steps(self.engine.step, steps)
@@ -322,6 +339,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile-only", action="store_true",
                         help="only the ESP profile (implies --profile)")
     parser.add_argument("--kv-space-gib", type=int, default=3)
+    parser.add_argument("--drafting-requests", type=int, default=None, metavar="N",
+                        help="only the first N requests of a step draft; the others "
+                        "take plain steps (default: all). Shows whether a step's "
+                        "cost follows its total rows or how many requests draft")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.profile_only and args.profile is None:
@@ -343,7 +364,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     max_len = max(args.contexts) + 512
     options = dict(model=model, max_rows=MAX_ROWS, dtype=args.dtype,
                    max_num_seqs=max(args.batch_sizes), max_model_len=max_len,
-                   kv_space_gib=args.kv_space_gib)
+                   kv_space_gib=args.kv_space_gib,
+                   drafting_requests=args.drafting_requests)
     print(f"[step_cost] starting engines: {', '.join(methods)}", flush=True)
     workers = {m: Worker(m, **dict(options)) for m in methods}
     cells: list[dict[str, Any]] = []
@@ -445,7 +467,8 @@ def render_markdown(results: dict[str, Any]) -> str:
              "Median time of one `LLMEngine.step()` per cell, as ratios measured in "
              "the same run (absolute times only set the scale of this machine). "
              "*rows* = tokens per request in the step (1 = plain decoding). "
-             "*scheduled* = tokens the scheduler really scheduled per step.", "",
+             "*scheduled* = tokens the scheduler really scheduled per step."
+             + _drafting_note(results), "",
              "| batch | context | rows | ESP / chain | ESP / plain | chain / plain "
              "| scheduled ESP / chain | mean context |",
              "|---|---|---|---|---|---|---|---|"]
@@ -463,6 +486,15 @@ def render_markdown(results: dict[str, Any]) -> str:
         for name, share in profile["shares"].items():
             lines.append(f"| {name} | {share:.1%} |")
     return "\n".join(lines) + "\n"
+
+
+def _drafting_note(results: dict[str, Any]) -> str:
+    limit = results["meta"]["args"].get("drafting_requests")
+    if limit is None:
+        return ""
+    return (f" **Only the first {limit} requests of each step draft** "
+            "(`--drafting-requests`): the others take a plain step, so a step "
+            f"holds about `{limit} * rows + (batch - {limit})` tokens.")
 
 
 def _fmt(value) -> str:
