@@ -40,7 +40,13 @@ from vllm.v1.outputs import DraftTokenIds
 
 from vllm_esp.config import ESPConfig
 from vllm_esp.core.batch import TreeBatch, TreeProposer, block_layouts, select_chains
-from vllm_esp.core.goodput import AcceptanceCalibration, StepBudget, StepCostModel
+from vllm_esp.core.goodput import (
+    SOURCE_ESP,
+    SOURCE_LOOKUP,
+    AcceptanceCalibration,
+    StepBudget,
+    StepCostModel,
+)
 from vllm_esp.core.mask_embedding import (
     ema_update_packed,
     embedding_table_sums,
@@ -114,16 +120,17 @@ class AutoStats:
             return
         self._last = now
         cost = proposer.cost_model
-        esp_scale, lookup_scale = proposer.calibration.scales
+        scales = proposer.calibration.scales
         logger.info(
             "ESP: %d steps, %.1f rows per step; %d blocks of %.1f rows, %.2f "
-            "accepted per block%s; calibration esp x%.2f, lookup x%.2f",
+            "accepted per block%s; calibration by depth 1/2/3/4+: esp x%s, lookup x%s",
             self.num_steps, self.num_rows / max(self.num_steps, 1), self.num_blocks,
             self.block_rows / max(self.num_blocks, 1),
             self.accepted / max(self.num_blocks, 1),
             "" if cost is None else
             f"; step cost {cost.fixed * 1e3:.1f} ms + {cost.per_row * 1e3:.2f} ms/row",
-            esp_scale, lookup_scale)
+            "/".join(f"{v:.2f}" for v in scales[SOURCE_ESP]),
+            "/".join(f"{v:.2f}" for v in scales[SOURCE_LOOKUP]))
         self._reset()
 
 
@@ -375,10 +382,9 @@ class ESPProposer:
     def _step_budget(self, num_requests: int) -> StepBudget | None:
         if not self.auto or self.cost_model is None:
             return None
-        esp_scale, lookup_scale = self.calibration.scales
         return StepBudget(self.cost_model.fixed, self.cost_model.per_row,
                           base_rows=num_requests, max_total_rows=self.max_step_tokens,
-                          esp_scale=float(esp_scale), lookup_scale=float(lookup_scale))
+                          scales=self.calibration.scales)
 
     def observe_verification(self, trees: TreeBatch, chains: np.ndarray,
                              accepted: np.ndarray) -> None:
@@ -395,6 +401,7 @@ class ESPProposer:
                                      & (depth[None, :] <= accepted[:, None]))
         on_path[block, chains[block, position]] = True
         self.calibration.observe(trees.sources[drafted].astype(np.int64),
+                                 trees.node_depths()[drafted],
                                  trees.reach[drafted].astype(np.float64),
                                  on_path[drafted])
         self.stats.blocks(trees.block_sizes(), accepted)

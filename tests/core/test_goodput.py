@@ -9,12 +9,14 @@ import pytest
 from vllm_esp.config import ESPConfig
 from vllm_esp.core.batch import TreeProposer
 from vllm_esp.core.goodput import (
+    NUM_DEPTH_BUCKETS,
     SOURCE_ESP,
     SOURCE_LOOKUP,
     AcceptanceCalibration,
     StepBudget,
     StepCostModel,
     allocate_rows,
+    depth_buckets,
 )
 
 
@@ -154,17 +156,86 @@ def test_cost_model_fit_of_a_profile():
     assert model.fixed == pytest.approx(0.03) and model.per_row == pytest.approx(0.0005)
 
 
-def test_calibration_converges_per_source():
-    """ESP's estimates twice too high, lookup's 20% too low: the scales
-    converge to 0.5 and 1.2 from a stream of verification outcomes."""
+def test_calibration_converges_per_source_and_depth():
+    """ESP's depth-1 estimates twice too high, lookup's 20% too low at depth
+    1 and 30% too high from depth 4 on: each cell's scale converges to its
+    own ratio from a stream of verification outcomes."""
     rng = np.random.default_rng(3)
     calibration = AcceptanceCalibration()
-    assert calibration.scales.tolist() == [1.0, 1.0]
-    for _ in range(3000):
-        sources = rng.integers(0, 2, 10)
-        reach = rng.uniform(0.05, 0.6, 10)
-        truth = np.where(sources == SOURCE_ESP, 0.5 * reach, 1.2 * reach)
-        calibration.observe(sources, reach, rng.uniform(size=10) < truth)
+    assert calibration.scales.shape == (2, NUM_DEPTH_BUCKETS)
+    assert (calibration.scales == 1.0).all()
+    true_scale = np.ones((2, NUM_DEPTH_BUCKETS))
+    true_scale[SOURCE_ESP, 0] = 0.5
+    true_scale[SOURCE_LOOKUP] = [1.2, 1.0, 0.9, 0.7]
+    for _ in range(4000):
+        sources = rng.integers(0, 2, 12)
+        depths = np.where(sources == SOURCE_ESP, 1, rng.integers(1, 8, 12))
+        reach = rng.uniform(0.05, 0.6, 12)
+        truth = true_scale[sources, depth_buckets(depths)] * reach
+        calibration.observe(sources, depths, reach, rng.uniform(size=12) < truth)
     scales = calibration.scales
-    assert scales[SOURCE_ESP] == pytest.approx(0.5, abs=0.08)
-    assert scales[SOURCE_LOOKUP] == pytest.approx(1.2, abs=0.15)
+    assert scales[SOURCE_ESP, 0] == pytest.approx(0.5, abs=0.08)
+    for bucket, expected in enumerate(true_scale[SOURCE_LOOKUP]):
+        assert scales[SOURCE_LOOKUP, bucket] == pytest.approx(expected, abs=0.15)
+    # ESP never drafted deeper than 1 here: those cells keep the prior.
+    assert (scales[SOURCE_ESP, 1:] == 1.0).all()
+
+
+def test_proposals_report_prior_reach_whatever_the_scales():
+    """The calibration must be measured against the priors: a proposal made
+    with scales reports, for every node it shares with an unscaled
+    proposal, the same reach. (Reporting the scaled reach fed the scale
+    back into itself; it settled at the square root of the true ratio.)
+    The scales still shape the tree: a tiny lookup scale leaves only ESP
+    nodes where rows are scarce."""
+    config = ESPConfig.from_dict({})
+    proposer = TreeProposer(config)
+    inputs = _proposer_inputs(4, seed=5)
+    cost = dict(fixed_cost=1.0, cost_per_row=0.01, base_rows=4)
+    plain = proposer.propose(**inputs, budget=StepBudget(**cost))
+    reference = {}
+    for i in range(4):
+        for t in range(1, int(plain.num_nodes[i])):
+            key = (i, _path(plain, i, t))
+            reference[key] = (plain.reach[i, t], plain.sources[i, t])
+    scales = np.ones((2, NUM_DEPTH_BUCKETS))
+    scales[SOURCE_LOOKUP] = [2.0, 1.5, 0.5, 0.25]
+    scales[SOURCE_ESP] = 0.4
+    scaled = proposer.propose(**inputs, budget=StepBudget(**cost, scales=scales))
+    shared = 0
+    for i in range(4):
+        for t in range(1, int(scaled.num_nodes[i])):
+            key = (i, _path(scaled, i, t))
+            if key in reference and reference[key][1] == scaled.sources[i, t]:
+                assert scaled.reach[i, t] == pytest.approx(reference[key][0], rel=1e-5)
+                shared += 1
+    assert shared > 0
+    lookup_off = np.ones((2, NUM_DEPTH_BUCKETS))
+    lookup_off[SOURCE_LOOKUP] = 1e-3
+    no_lookup = proposer.propose(**inputs, budget=StepBudget(**cost, scales=lookup_off))
+    drafted = np.arange(no_lookup.parents.shape[1])[None, :] < no_lookup.num_nodes[:, None]
+    drafted[:, 0] = False
+    assert drafted.any() and (no_lookup.sources[drafted] == SOURCE_ESP).all()
+    assert (plain.sources[np.arange(plain.parents.shape[1])[None, :]
+                          < plain.num_nodes[:, None]] == SOURCE_LOOKUP).any()
+
+
+def _path(trees, i, t):
+    """The tokens from the root's child down to node ``t`` of tree ``i``."""
+    tokens = []
+    while t > 0:
+        tokens.append(int(trees.tokens[i, t]))
+        t = int(trees.parents[i, t])
+    return tuple(reversed(tokens))
+
+
+def test_node_depths_follow_the_parents():
+    config = ESPConfig.from_dict({})
+    trees = TreeProposer(config).propose(**_proposer_inputs(3, seed=7),
+                                         budget=StepBudget(1.0, 1e-4, base_rows=3))
+    depths = trees.node_depths()
+    for i in range(3):
+        for t in range(int(trees.num_nodes[i])):
+            parent = int(trees.parents[i, t])
+            assert depths[i, t] == (0 if parent < 0 else depths[i, parent] + 1)
+    assert depths.max() >= 2

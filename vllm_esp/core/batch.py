@@ -38,7 +38,14 @@ import torch
 from numba import njit
 
 from vllm_esp.config import ESPConfig
-from vllm_esp.core.goodput import StepBudget, allocate_rows
+from vllm_esp.core.goodput import (
+    NUM_DEPTH_BUCKETS,
+    NUM_SOURCES,
+    SOURCE_ESP,
+    SOURCE_LOOKUP,
+    StepBudget,
+    allocate_rows,
+)
 from vllm_esp.core.hybrid import (
     ESP_WEIGHT,
     LOOKUP_ACCEPT,
@@ -125,6 +132,17 @@ class TreeBatch:
                         masked=None if all(masked) else masked)
         return DraftTree(spec, torch.from_numpy(self.tokens[i, :size].copy()))
 
+    def node_depths(self) -> np.ndarray:
+        """[B, T] depth of every node (root 0; padding 0). BFS order puts
+        each parent before its children, so one pass over columns does."""
+        depths = np.zeros(self.parents.shape, np.int64)
+        rows = np.arange(self.parents.shape[0])
+        for t in range(1, self.parents.shape[1]):
+            parent = self.parents[:, t]
+            has_parent = (parent >= 0) & (t < self.num_nodes)
+            depths[:, t] = np.where(has_parent, depths[rows, np.maximum(parent, 0)] + 1, 0)
+        return depths
+
     def block_sizes(self) -> np.ndarray:
         """Q per request: nodes plus k rows per masked node (0: no tree)."""
         masked_nodes = (self.masked & (np.arange(self.masked.shape[1]) <
@@ -171,7 +189,7 @@ class HybridParams:
 @njit(cache=True)
 def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_log_probs,
                        vocab_size, block_size, num_mask_tokens, use_esp, use_lookup,
-                       esp_log_weight, lookup_log_scale, lookup_accept, mask_value,
+                       esp_log_weight, log_scales, lookup_accept, mask_value,
                        max_chains, capacity, root_alone, out_parents, out_tokens,
                        out_masked, out_gains, out_reach, out_sources):
     """One request's hybrid tree (``core.hybrid``); returns its node count,
@@ -179,8 +197,11 @@ def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_lo
     alone, whose masks the allocation may still choose).
 
     Also writes each row's gain in allocation order (``out_gains``, ``rows
-    - 1`` entries, see ``core.goodput``) and each node's estimated reach and
-    source tag (``out_reach``, ``out_sources``, BFS order)."""
+    - 1`` entries, see ``core.goodput``) and each node's source tag and
+    prior estimated reach (``out_sources``, ``out_reach``, BFS order).
+    ``log_scales[source, depth bucket]``: the calibration, in log space; it
+    shapes the tree, and ``out_reach`` leaves it out so that the
+    calibration is measured against the priors."""
     budget = max(block_size - 1, 0)
     parents = np.empty(capacity, np.int64)
     tokens = np.empty(capacity, np.int64)
@@ -197,7 +218,8 @@ def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_lo
                                           chain_scores, chain_lengths)
         for c in range(num_chains):
             for d in range(chain_lengths[c]):
-                chain_scores[c, d] += np.float32(lookup_log_scale)
+                chain_scores[c, d] += np.float32(
+                    log_scales[SOURCE_LOOKUP, min(d + 1, NUM_DEPTH_BUCKETS) - 1])
     first_chain = 0
     parents[0] = -1
     tokens[0] = root_token
@@ -208,7 +230,9 @@ def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_lo
                                       vocab_size, parents, tokens, scores, depths)
         # Mask probabilities overstate acceptance.
         for i in range(1, count):
-            scores[i] += np.float32(esp_log_weight)
+            scores[i] += np.float32(
+                esp_log_weight
+                + log_scales[SOURCE_ESP, min(depths[i], NUM_DEPTH_BUCKETS) - 1])
     elif num_chains > 0:
         # No mask candidates (first step after prefill, or the last accepted
         # node had no masks), or lookup alone: the first chain is the tree.
@@ -241,8 +265,11 @@ def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_lo
                            out_parents, out_tokens, out_masked)
     order = kept[:num_kept][np.argsort(depths[kept[:num_kept]], kind="mergesort")]
     for i in range(num_kept):
-        out_reach[i] = 1.0 if i == 0 else math.exp(scores[order[i]])
-        out_sources[i] = sources[order[i]]
+        node = order[i]
+        out_sources[i] = sources[node]
+        out_reach[i] = 1.0 if i == 0 else math.exp(
+            scores[node]
+            - log_scales[sources[node], min(depths[node], NUM_DEPTH_BUCKETS) - 1])
     return size
 
 
@@ -264,7 +291,8 @@ def hybrid_tree(params: HybridParams, history: np.ndarray, root_token: int,
     size = hybrid_tree_kernel(
         np.asarray(history, np.int64), root_token, has_candidates, cand_tokens,
         cand_log_probs, vocab_size or 0, params.block_size, params.num_mask_tokens,
-        params.use_esp, params.use_lookup, params.esp_log_weight, 0.0,
+        params.use_esp, params.use_lookup, params.esp_log_weight,
+        np.zeros((NUM_SOURCES, NUM_DEPTH_BUCKETS)),
         params.lookup_accept, params.mask_value, params.max_chains, capacity, False,
         out_parents, out_tokens, out_masked, out_gains, out_reach, out_sources)
     if size == 0:
@@ -280,7 +308,7 @@ def hybrid_tree(params: HybridParams, history: np.ndarray, root_token: int,
 def propose_batch_kernel(mode, histories, history_rows, history_starts, history_ends,
                          roots, has_candidates, cand_tokens, cand_log_probs, vocab_size,
                          widths, node_budget, block_sizes, num_mask_tokens, use_esp,
-                         use_lookup, esp_log_weight, lookup_log_scale, lookup_accept,
+                         use_lookup, esp_log_weight, log_scales, lookup_accept,
                          mask_value, max_chains, capacity, root_alone,
                          placeholder_parents, out_parents, out_tokens, out_masked,
                          out_num_nodes, out_gains, out_num_gains, out_reach, out_sources):
@@ -313,7 +341,7 @@ def propose_batch_kernel(mode, histories, history_rows, history_starts, history_
             size = hybrid_tree_kernel(history, roots[i], has_candidates[i],
                                       cand_tokens[i], cand_log_probs[i], vocab_size,
                                       block_sizes[i], num_mask_tokens, use_esp,
-                                      use_lookup, esp_log_weight, lookup_log_scale,
+                                      use_lookup, esp_log_weight, log_scales,
                                       lookup_accept, mask_value, max_chains, capacity,
                                       root_alone_here, parents, tokens, masked, gains,
                                       reach, sources)
@@ -425,12 +453,11 @@ class TreeProposer:
         caps = np.full(batch, block_size, np.int64)
         if row_caps is not None:
             np.minimum(caps, row_caps, out=caps)
-        esp_scale = lookup_scale = 1.0
-        if budget is not None:
-            esp_scale, lookup_scale = budget.esp_scale, budget.lookup_scale
+        log_scales = np.zeros((NUM_SOURCES, NUM_DEPTH_BUCKETS))
+        if budget is not None and budget.scales is not None:
+            log_scales = np.log(np.maximum(np.asarray(budget.scales, np.float64), 1e-6))
         args = (histories, history_rows, history_starts, history_ends, roots,
-                has_candidates, cand_tokens, cand_log_probs, vocab_size, esp_scale,
-                lookup_scale, out)
+                has_candidates, cand_tokens, cand_log_probs, vocab_size, log_scales, out)
         gains, num_gains = self._run(caps, *args)
         if self.auto and budget is not None:
             extra = allocate_rows(gains, num_gains, budget.base_rows, budget.fixed_cost,
@@ -439,8 +466,8 @@ class TreeProposer:
         return out
 
     def _run(self, block_sizes, histories, history_rows, history_starts, history_ends,
-             roots, has_candidates, cand_tokens, cand_log_probs, vocab_size, esp_scale,
-             lookup_scale, out):
+             roots, has_candidates, cand_tokens, cand_log_probs, vocab_size, log_scales,
+             out):
         hybrid = self.hybrid
         batch = roots.shape[0]
         gains = np.zeros((batch, max(hybrid.block_size - 1, 1)), np.float64)
@@ -450,8 +477,7 @@ class TreeProposer:
             has_candidates, cand_tokens, cand_log_probs, vocab_size, self.widths,
             self.node_budget, block_sizes, hybrid.num_mask_tokens,
             hybrid.use_esp, hybrid.use_lookup,
-            hybrid.esp_log_weight + math.log(max(esp_scale, 1e-6)),
-            math.log(max(lookup_scale, 1e-6)), hybrid.lookup_accept, hybrid.mask_value,
+            hybrid.esp_log_weight, log_scales, hybrid.lookup_accept, hybrid.mask_value,
             hybrid.max_chains, self.capacity, self.auto, self.placeholder_parents,
             out.parents, out.tokens, out.masked, out.num_nodes, gains, num_gains,
             out.reach, out.sources)

@@ -21,9 +21,12 @@ hardware-aware tree size):
   across the batch, and the allocation stops at the count that maximises
   ``(requests + sum of gains) / t(rows)``. A request may get no extra row
   (a plain decoding step), and so may the whole batch.
-* **Calibration.** :class:`AcceptanceCalibration` scales each candidate
-  source's estimates by how often its drafts were really accepted, so the
-  priors only matter for the first steps.
+* **Calibration.** :class:`AcceptanceCalibration` scales the estimates of
+  each candidate source at each depth (1, 2, 3, 4 and deeper) by how often
+  such drafts were really accepted, so the priors only matter for the first
+  steps. (Measured on Spec-Bench with one scale per source, deep lookup
+  nodes were overrated against shallow ones by up to 1.6x:
+  docs/results.md, "When only some requests draft".)
 
 Worked example: 2 requests, cost ``t(R) = 1 + 0.1 R``; request 0's gains
 ``[.9, .5, .05]``, request 1's ``[.3]``::
@@ -49,25 +52,33 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["StepCostModel", "AcceptanceCalibration", "StepBudget", "allocate_rows",
-           "SOURCE_ESP", "SOURCE_LOOKUP", "NUM_SOURCES"]
+           "SOURCE_ESP", "SOURCE_LOOKUP", "NUM_SOURCES", "NUM_DEPTH_BUCKETS",
+           "depth_buckets"]
 
 # Candidate sources (node tags written by the hybrid kernel).
 SOURCE_ESP, SOURCE_LOOKUP = 0, 1
 NUM_SOURCES = 2
+# Calibration cells per source: depth 1, 2, 3, and 4 or deeper.
+NUM_DEPTH_BUCKETS = 4
+
+
+def depth_buckets(depths: np.ndarray) -> np.ndarray:
+    """Calibration cell of drafted nodes at ``depths`` (>= 1)."""
+    return np.minimum(np.asarray(depths, np.int64), NUM_DEPTH_BUCKETS) - 1
 
 
 @dataclass(frozen=True)
 class StepBudget:
     """What one step's allocation needs: the cost model's current fit, the
     rows the step has without drafts, a cap on its total rows (the
-    scheduler's token budget), and the sources' calibration scales."""
+    scheduler's token budget), and the calibration scales
+    (``[NUM_SOURCES, NUM_DEPTH_BUCKETS]``, None for all 1)."""
 
     fixed_cost: float
     cost_per_row: float
     base_rows: int
     max_total_rows: int | None = None
-    esp_scale: float = 1.0
-    lookup_scale: float = 1.0
+    scales: np.ndarray | None = None
 
 
 def allocate_rows(gains: np.ndarray, num_gains: np.ndarray, base_rows: int,
@@ -162,14 +173,17 @@ class StepCostModel:
 
 
 class AcceptanceCalibration:
-    """Per candidate source, how much its estimated acceptance should be
-    scaled: ``(accepted + prior) / (predicted + prior)`` over recent steps.
+    """Per candidate source and depth bucket, how much the estimated
+    acceptance should be scaled: ``(accepted + prior) / (predicted +
+    prior)`` over recent steps.
 
-    ``predicted`` sums the estimates (reach) of the source's drafted nodes;
-    ``accepted`` counts those on the accepted path. With no data the scale
-    is 1 (the priors in ``core.hybrid`` stand). Clamped to
-    ``[min_scale, max_scale]`` so that one unlucky run cannot switch a
-    source off for good.
+    ``predicted`` sums the *prior* estimates (reach before any scaling) of
+    the cell's drafted nodes; ``accepted`` counts those on the accepted
+    path. (Summing the scaled estimates instead would feed the scale back
+    into itself: it would settle at the square root of the true ratio.)
+    With no data the scale is 1 (the priors in ``core.hybrid`` stand).
+    Clamped to ``[min_scale, max_scale]`` so that one unlucky run cannot
+    switch a source off for good.
     """
 
     def __init__(self, prior: float = 5.0, forgetting: float = 0.995,
@@ -177,19 +191,24 @@ class AcceptanceCalibration:
         self.prior = prior
         self.forgetting = forgetting
         self.min_scale, self.max_scale = min_scale, max_scale
-        self.predicted = np.zeros(NUM_SOURCES)
-        self.accepted = np.zeros(NUM_SOURCES)
+        self.predicted = np.zeros((NUM_SOURCES, NUM_DEPTH_BUCKETS))
+        self.accepted = np.zeros((NUM_SOURCES, NUM_DEPTH_BUCKETS))
 
-    def observe(self, sources: np.ndarray, reach: np.ndarray, accepted: np.ndarray) -> None:
-        """One step's drafted nodes: source tag, estimated reach, and
-        whether each was accepted (flat arrays)."""
+    def observe(self, sources: np.ndarray, depths: np.ndarray, reach: np.ndarray,
+                accepted: np.ndarray) -> None:
+        """One step's drafted nodes: source tag, depth (>= 1), prior
+        estimated reach, and whether each was accepted (flat arrays)."""
         if sources.size == 0:
             return
+        cells = (np.asarray(sources, np.int64) * NUM_DEPTH_BUCKETS
+                 + depth_buckets(depths))
+        size = NUM_SOURCES * NUM_DEPTH_BUCKETS
         self.predicted *= self.forgetting
         self.accepted *= self.forgetting
-        self.predicted += np.bincount(sources, weights=reach, minlength=NUM_SOURCES)
-        self.accepted += np.bincount(sources, weights=accepted.astype(np.float64),
-                                     minlength=NUM_SOURCES)
+        self.predicted += np.bincount(cells, weights=reach, minlength=size).reshape(
+            NUM_SOURCES, NUM_DEPTH_BUCKETS)
+        self.accepted += np.bincount(cells, weights=accepted.astype(np.float64),
+                                     minlength=size).reshape(NUM_SOURCES, NUM_DEPTH_BUCKETS)
 
     @property
     def scales(self) -> np.ndarray:
