@@ -489,7 +489,7 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 def _drafting_note(results: dict[str, Any]) -> str:
-    limit = results["meta"]["args"].get("drafting_requests")
+    limit = results["meta"].get("args", {}).get("drafting_requests")
     if limit is None:
         return ""
     return (f" **Only the first {limit} requests of each step draft** "
