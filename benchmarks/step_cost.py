@@ -76,11 +76,6 @@ def set_rows(rows: int, drafting_requests: int | None = None) -> None:
     state["drafting_requests"] = drafting_requests
 
 
-def _drafts(index: int) -> bool:
-    limit = _ROWS["drafting_requests"]
-    return limit is None or index < limit
-
-
 # ----------------------------------------------------------- draft sources
 class FullLengthProposer:
     """vLLM ``custom_class`` proposer: ``rows - 1`` drafts on every step.
@@ -99,8 +94,9 @@ class FullLengthProposer:
     def propose(self, sampled_token_ids, num_tokens_no_spec=None,
                 token_ids_cpu=None, slot_mappings=None) -> list[list[int]]:
         num_drafts = _ROWS["value"] - 1
+        drafting = _ROWS["drafting_requests"]
         return [self.rng.integers(0, self.vocab_size, num_drafts).tolist()
-                if sampled and _drafts(i) else []
+                if sampled and (drafting is None or i < drafting) else []
                 for i, sampled in enumerate(sampled_token_ids)]
 
 
@@ -135,10 +131,10 @@ class SizedTreeSource:
             trees.tokens[:, 0] = roots
             trees.masked[:, 0] = True
             trees.num_nodes[:] = 1
-        for i in range(roots.shape[0]):
-            if not _drafts(i):
-                trees.num_nodes[i] = 0
-                trees.masked[i] = False
+        drafting = _ROWS["drafting_requests"]
+        if drafting is not None:
+            trees.num_nodes[drafting:] = 0
+            trees.masked[drafting:] = False
         return trees
 
 

@@ -133,7 +133,6 @@ def apply_patch(
     return patch
 
 
-
 def shield_llvmlite_from_kernel_scan() -> None:
     """Keep vLLM's kernel-override scan working in a process that has
     loaded numba (ESP's per-step kernels need it).

@@ -386,10 +386,11 @@ class ESPProposer:
                           base_rows=num_requests, max_total_rows=self.max_step_tokens,
                           scales=self.calibration.scales)
 
-    def observe_verification(self, trees: TreeBatch, chains: np.ndarray,
-                             accepted: np.ndarray) -> None:
+    def observe_verification(self, trees: TreeBatch, depths: np.ndarray,
+                             chains: np.ndarray, accepted: np.ndarray) -> None:
         """Calibrate the sources' estimates on one step's verified blocks:
-        every drafted node, and whether it was on the accepted path."""
+        every drafted node (``depths``: the blocks' layouts'), and whether
+        it was on the accepted path."""
         if trees.reach is None:
             return
         width = trees.parents.shape[1]
@@ -401,7 +402,7 @@ class ESPProposer:
                                      & (depth[None, :] <= accepted[:, None]))
         on_path[block, chains[block, position]] = True
         self.calibration.observe(trees.sources[drafted].astype(np.int64),
-                                 trees.node_depths()[drafted],
+                                 depths[drafted],
                                  trees.reach[drafted].astype(np.float64),
                                  on_path[drafted])
         self.stats.blocks(trees.block_sizes(), accepted)

@@ -61,10 +61,7 @@ class ESPCPUWorker(CPUWorker):
 
         # vLLM's platform overrides are installed before the worker is
         # built, so this replaces its broken expand kernel (see
-        # vllm_esp/cpu_kernels.py). Its scan of every loaded module trips
-        # over llvmlite once numba is loaded (an earlier engine in this
-        # process): shield it first.
-        shield_llvmlite_from_kernel_scan()
+        # vllm_esp/cpu_kernels.py).
         cpu_kernels.register()
         register_tree_attention()
         super().__init__(*args, **kwargs)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from vllm_esp.config import ESPConfig
-from vllm_esp.core.batch import TreeProposer
+from vllm_esp.core.batch import TreeProposer, block_layouts
 from vllm_esp.core.goodput import (
     NUM_DEPTH_BUCKETS,
     SOURCE_ESP,
@@ -229,11 +229,12 @@ def _path(trees, i, t):
     return tuple(reversed(tokens))
 
 
-def test_node_depths_follow_the_parents():
+def test_layout_depths_follow_the_parents():
+    """The calibration reads node depths from the step's block layouts."""
     config = ESPConfig.from_dict({})
     trees = TreeProposer(config).propose(**_proposer_inputs(3, seed=7),
                                          budget=StepBudget(1.0, 1e-4, base_rows=3))
-    depths = trees.node_depths()
+    depths = block_layouts(trees).depths
     for i in range(3):
         for t in range(int(trees.num_nodes[i])):
             parent = int(trees.parents[i, t])

@@ -132,17 +132,6 @@ class TreeBatch:
                         masked=None if all(masked) else masked)
         return DraftTree(spec, torch.from_numpy(self.tokens[i, :size].copy()))
 
-    def node_depths(self) -> np.ndarray:
-        """[B, T] depth of every node (root 0; padding 0). BFS order puts
-        each parent before its children, so one pass over columns does."""
-        depths = np.zeros(self.parents.shape, np.int64)
-        rows = np.arange(self.parents.shape[0])
-        for t in range(1, self.parents.shape[1]):
-            parent = self.parents[:, t]
-            has_parent = (parent >= 0) & (t < self.num_nodes)
-            depths[:, t] = np.where(has_parent, depths[rows, np.maximum(parent, 0)] + 1, 0)
-        return depths
-
     def block_sizes(self) -> np.ndarray:
         """Q per request: nodes plus k rows per masked node (0: no tree)."""
         masked_nodes = (self.masked & (np.arange(self.masked.shape[1]) <
@@ -187,6 +176,12 @@ class HybridParams:
 
 
 @njit(cache=True)
+def log_scale(log_scales, source, depth):
+    """The calibration of a node (``core.goodput``'s cells), in log space."""
+    return log_scales[source, min(depth, NUM_DEPTH_BUCKETS) - 1]
+
+
+@njit(cache=True)
 def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_log_probs,
                        vocab_size, block_size, num_mask_tokens, use_esp, use_lookup,
                        esp_log_weight, log_scales, lookup_accept, mask_value,
@@ -218,8 +213,7 @@ def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_lo
                                           chain_scores, chain_lengths)
         for c in range(num_chains):
             for d in range(chain_lengths[c]):
-                chain_scores[c, d] += np.float32(
-                    log_scales[SOURCE_LOOKUP, min(d + 1, NUM_DEPTH_BUCKETS) - 1])
+                chain_scores[c, d] += np.float32(log_scale(log_scales, SOURCE_LOOKUP, d + 1))
     first_chain = 0
     parents[0] = -1
     tokens[0] = root_token
@@ -231,8 +225,7 @@ def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_lo
         # Mask probabilities overstate acceptance.
         for i in range(1, count):
             scores[i] += np.float32(
-                esp_log_weight
-                + log_scales[SOURCE_ESP, min(depths[i], NUM_DEPTH_BUCKETS) - 1])
+                esp_log_weight + log_scale(log_scales, SOURCE_ESP, depths[i]))
     elif num_chains > 0:
         # No mask candidates (first step after prefill, or the last accepted
         # node had no masks), or lookup alone: the first chain is the tree.
@@ -268,8 +261,7 @@ def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_lo
         node = order[i]
         out_sources[i] = sources[node]
         out_reach[i] = 1.0 if i == 0 else math.exp(
-            scores[node]
-            - log_scales[sources[node], min(depths[node], NUM_DEPTH_BUCKETS) - 1])
+            scores[node] - log_scale(log_scales, sources[node], depths[node]))
     return size
 
 
