@@ -1,16 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Offline workload: ``LLM.generate`` over the prompt set, one engine per method.
 
-The engine is built with ``max_num_seqs = max(batch_sizes)``. For each batch
-size ``b`` (largest first is not required; the order given is kept):
-
-* ``b == max``: one ``generate`` call with every prompt; vLLM batches them
-  continuously, at most ``b`` at a time;
-* ``b < max``: the prompts go in consecutive waves of ``b`` (one ``generate``
-  call per wave: static batching); ``b == 1`` is one prompt at a time.
-
-Methods with cross-request state (suffix decoding) get a fresh engine per
-batch size, so every pass is a first pass over distinct prompts.
+Every batch size ``b`` gets a fresh engine with ``max_num_seqs = b`` and one
+``generate`` call with every prompt, which vLLM batches continuously, at most
+``b`` at a time (``b == 1`` is one prompt at a time). Every method thus runs
+each level in the same regime. (Until 2026-12-02 only methods with
+cross-request state got this; the others ran smaller batch sizes as static
+waves on one engine, which made them look slower than ``suffix`` there.)
+A fresh engine also makes every pass of suffix decoding a first pass over
+distinct prompts.
 
 Timing is the sum of the ``generate`` calls' wall times (vllm_esp_dev.runs).
 Each engine first generates a few tokens for a fixed warm-up prompt that is
@@ -24,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.methods import Method
-from benchmarks.metrics import PassResult, Prompt, RequestRecord, counter_delta, row_count_delta
+from benchmarks.metrics import PassResult, Prompt, RequestRecord, row_count_delta
 
 
 def engine_kwargs(method: Method, options: dict[str, Any]) -> dict[str, Any]:
@@ -34,10 +32,6 @@ def engine_kwargs(method: Method, options: dict[str, Any]) -> dict[str, Any]:
         # Puts spec_decode_metrics on every CompletionOutput (per-request tau).
         kwargs["per_request_spec_decode_metrics"] = "summary"
     return kwargs
-
-
-def _waves(prompts: list[Prompt], size: int) -> list[list[Prompt]]:
-    return [prompts[i:i + size] for i in range(0, len(prompts), size)]
 
 
 def esp_row_counts(llm) -> dict[str, int] | None:
@@ -64,49 +58,28 @@ def run_offline(method: Method, model: str, prompts: list[Prompt],
         return llm
 
     results: list[PassResult] = []
-    llm = None
-    try:
-        for batch_size in batch_sizes:
-            startup = None
-            if llm is None or method.cross_request_state:
-                if llm is not None:
-                    shutdown(llm)
-                    llm = None
-                started = time.perf_counter()
-                llm = new_engine(batch_size if method.cross_request_state
-                                 else max(batch_sizes))
-                startup = time.perf_counter() - started
-            engine_max = batch_size if method.cross_request_state else max(batch_sizes)
-            groups = [prompts] if batch_size >= engine_max else _waves(prompts, batch_size)
-            records: list[RequestRecord] = []
-            counters: dict[str, float] = {}
-            seconds = 0.0
+    for batch_size in batch_sizes:
+        started = time.perf_counter()
+        llm = new_engine(batch_size)
+        try:
+            startup = time.perf_counter() - started
             rows_before = esp_row_counts(llm)
-            for group in groups:
-                run = generate(llm, [p.token_ids for p in group], sampling_params,
-                               label=method.name)
-                seconds += run.seconds
-                for name, value in run.counters.items():
-                    counters[name] = counters.get(name, 0) + value
-                metrics = run.spec_metrics or [None] * len(group)
-                for prompt, token_ids, spec in zip(group, run.token_ids, metrics):
-                    records.append(RequestRecord.from_spec_metrics(
-                        prompt.index, prompt.category, token_ids, spec))
-                if progress:
-                    progress(len(group))
+            run = generate(llm, [p.token_ids for p in prompts], sampling_params,
+                           label=method.name)
+            metrics = run.spec_metrics or [None] * len(prompts)
+            records = [RequestRecord.from_spec_metrics(prompt.index, prompt.category,
+                                                       token_ids, spec)
+                       for prompt, token_ids, spec in zip(prompts, run.token_ids, metrics)]
+            if progress:
+                progress(len(prompts))
             notes = []
-            if len(groups) > 1 and batch_size > 1:
-                notes.append(f"static waves of {batch_size} prompts")
             if method.cross_request_state:
-                notes.append("fresh engine for this pass (first pass over "
-                             "distinct prompts; the cache holds only this "
-                             "pass's earlier answers)")
-            results.append(PassResult(method.name, "offline", batch_size, seconds,
-                                      records, counter_delta({}, counters), notes,
+                notes.append("the cache holds only this pass's earlier answers")
+            results.append(PassResult(method.name, "offline", batch_size, run.seconds,
+                                      records, dict(run.counters), notes,
                                       startup_seconds=startup,
                                       row_counts=row_count_delta(rows_before,
                                                                  esp_row_counts(llm))))
-    finally:
-        if llm is not None:
+        finally:
             shutdown(llm)
     return results

@@ -14,8 +14,9 @@ Every method runs in its own fresh vLLM engine on the same prompts:
 Spec-Bench first turns with the model's chat template (1 per category by
 default, all 13 categories), greedy, ``--max-tokens`` new tokens.
 
-* offline: ``LLM.generate`` over the whole set, once per ``--batch-sizes``
-  entry (default 1 and ``--max-num-seqs``), see benchmarks/offline.py;
+* offline: ``LLM.generate`` over the whole set on an engine with
+  ``max_num_seqs`` b, for each ``--batch-sizes`` entry b (default 1 and
+  ``--max-num-seqs``), see benchmarks/offline.py;
 * online: ``vllm serve`` on 127.0.0.1 and a client at each
   ``--concurrency`` level (default 1 and 4), see benchmarks/online.py.
 
@@ -86,7 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
              "is always added as the reference")
     add("--list-methods", action="store_true", help="list the methods and exit")
     add("--max-num-seqs", type=int, default=8,
-        help="offline engine's max batch size")
+        help="served engines' max batch size, and the largest default "
+             "offline batch size")
     add("--batch-sizes", type=int, nargs="+", default=None,
         help="offline batch sizes (default: 1 and --max-num-seqs)")
     add("--concurrency", type=int, nargs="+", default=[1, 4],

@@ -506,3 +506,45 @@ def test_step_cost_table_ratios_and_missing_methods():
                                       "machine": "m", "args": {"drafting_requests": 2}},
                              "cells": cells})
     assert "Only the first 2 requests of each step draft" in mixed
+
+
+def test_offline_runs_every_method_continuously_at_each_batch_size(monkeypatch):
+    """Each offline batch size b gets a fresh engine with max_num_seqs b and
+    one generate call over every prompt, whatever the method: static waves
+    for some methods and continuous batching for others made unequal
+    comparisons (suffix against the rest, before 2026-12-02)."""
+    from types import SimpleNamespace
+
+    from benchmarks import offline
+    from benchmarks.metrics import Prompt
+    from vllm_esp_dev import runs
+
+    engines, calls = [], []
+
+    def make_llm(model, speculative_config, max_num_seqs, **kwargs):
+        engine = SimpleNamespace(
+            max_num_seqs=max_num_seqs, closed=False,
+            llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(additional_config={})))
+        engines.append(engine)
+        return engine
+
+    def generate(llm, prompts_token_ids, sampling_params, label=""):
+        assert not llm.closed
+        calls.append((llm.max_num_seqs, len(prompts_token_ids)))
+        return runs.GenerationRun(label, [[1, 2]] * len(prompts_token_ids),
+                                  [""] * len(prompts_token_ids), 1.5)
+
+    monkeypatch.setattr(runs, "make_llm", make_llm)
+    monkeypatch.setattr(runs, "generate", generate)
+    monkeypatch.setattr(runs, "warm_up", lambda llm, ids: None)
+    monkeypatch.setattr(runs, "shutdown", lambda llm: setattr(llm, "closed", True))
+    prompts = [Prompt(i, "writing", i, [5, 6, i]) for i in range(5)]
+    for name in ("ngram-k3", "suffix"):
+        engines.clear()
+        calls.clear()
+        passes = offline.run_offline(methods.METHODS[name], "model", prompts, [1, 4, 8],
+                                     None, [1], {})
+        assert calls == [(1, 5), (4, 5), (8, 5)], name
+        assert all(engine.closed for engine in engines)
+        assert [(p.level, len(p.records), p.seconds) for p in passes] == [
+            (1, 5, 1.5), (4, 5, 1.5), (8, 5, 1.5)]
