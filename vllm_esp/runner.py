@@ -68,6 +68,12 @@ logger = logging.getLogger("vllm.esp")
 
 # Token counts the start-up profile times one forward for ('auto' blocks).
 PROFILE_TOKENS = (1, 8, 32, 64, 128)
+# Bump when what the profile times changes, so cached profiles are redone.
+# 2: the LM head over every row is timed too (a verification step computes
+# logits for all its rows; without it the prior per-row cost was about half
+# of what whole decode steps measured, and the allocation gave too many rows
+# at batch 4 and 8: docs/results.md).
+PROFILE_VERSION = 2
 PROFILE_REPEATS = 3
 
 # Mask rows whose logits are worth computing in the main logits pass rather
@@ -208,7 +214,7 @@ class ESPModelRunnerMixin:
         key = json.dumps([str(self.model_config.model), str(self.model_config.dtype),
                           platform.machine(), platform.processor(), os.cpu_count(),
                           torch.get_num_threads(), self.parallel_config.tensor_parallel_size,
-                          PROFILE_TOKENS])
+                          PROFILE_TOKENS, PROFILE_VERSION])
         cache = (cache_root() / "step-cost"
                  / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json"))
         points = None
@@ -231,15 +237,21 @@ class ESPModelRunnerMixin:
         logger.info("ESP auto blocks: step cost prior %.2f ms + %.3f ms per row (%s)",
                     model.fixed * 1e3, model.per_row * 1e3, cache)
 
+    def _esp_forward_with_logits(self, num_tokens: int) -> None:
+        # Every row of a decode step gets logits (tree nodes and roots; mask
+        # rows mostly too), so a row's cost includes the LM head.
+        hidden_states, _ = self._dummy_run(num_tokens, force_attention=True)
+        self.model.compute_logits(hidden_states)
+
     def _esp_time_forwards(self) -> list[list[float]]:
         limit = min(self.max_num_tokens, self.scheduler_config.max_num_batched_tokens)
         points = []
         for num_tokens in [n for n in PROFILE_TOKENS if n <= limit]:
-            self._dummy_run(num_tokens, force_attention=True)
+            self._esp_forward_with_logits(num_tokens)
             times = []
             for _ in range(PROFILE_REPEATS):
                 started = time.perf_counter()
-                self._dummy_run(num_tokens, force_attention=True)
+                self._esp_forward_with_logits(num_tokens)
                 times.append(time.perf_counter() - started)
             points.append([float(num_tokens), float(np.median(times))])
         if self._esp_tensor_parallel:
