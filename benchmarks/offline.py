@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Offline workload: ``LLM.generate`` over the prompt set, one engine per method.
+"""Offline workload: ``LLM.generate`` over the prompt set, one engine per
+method and batch size.
 
 Every batch size ``b`` gets a fresh engine with ``max_num_seqs = b`` and one
 ``generate`` call with every prompt, which vLLM batches continuously, at most
@@ -10,7 +11,7 @@ waves on one engine, which made them look slower than ``suffix`` there.)
 A fresh engine also makes every pass of suffix decoding a first pass over
 distinct prompts.
 
-Timing is the sum of the ``generate`` calls' wall times (vllm_esp_dev.runs).
+Timing is the ``generate`` call's wall time (vllm_esp_dev.runs).
 Each engine first generates a few tokens for a fixed warm-up prompt that is
 not in the set.
 """

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The ESP runner's row counts (``esp_row_counts``, read by the benchmarks'
 rows-per-step column) and the decode-only test that also gates the 'auto'
-cost model's timing, on hand-made scheduler outputs."""
+cost model's timing, on hand-made scheduler outputs; and what the cost
+model's start-up profile times, on a fake runner."""
 
 from __future__ import annotations
 
@@ -45,3 +46,33 @@ def test_empty_step_counts_nothing():
     count, rows = counter()
     assert count(step({}, {})) == 0
     assert rows() == {"decode_request_steps": 0, "rows": 0}
+
+
+def test_step_cost_profile_times_the_lm_head_over_every_row():
+    """A verification step computes logits for all its rows, so the 'auto'
+    cost model's start-up profile must time the LM head over every row of
+    each profiled forward (without it, the prior per-row cost was about half
+    of what decode steps measured)."""
+    import torch
+
+    from vllm_esp.runner import PROFILE_REPEATS, PROFILE_TOKENS
+
+    forwards, logits_rows = [], []
+
+    def dummy_run(num_tokens, force_attention=False):
+        forwards.append(num_tokens)
+        hidden_states = torch.zeros(num_tokens, 4)
+        return hidden_states, hidden_states[-1:]
+
+    runner = SimpleNamespace(
+        max_num_tokens=64, scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
+        _esp_tensor_parallel=False, _dummy_run=dummy_run,
+        model=SimpleNamespace(compute_logits=lambda h: logits_rows.append(h.shape[0])))
+    runner._esp_forward_with_logits = ESPModelRunnerMixin._esp_forward_with_logits.__get__(
+        runner)
+    points = ESPModelRunnerMixin._esp_time_forwards(runner)
+    profiled = [n for n in PROFILE_TOKENS if n <= 64]
+    assert [p[0] for p in points] == profiled
+    assert all(p[1] > 0 for p in points)
+    assert forwards == logits_rows
+    assert forwards == [n for n in profiled for _ in range(PROFILE_REPEATS + 1)]
