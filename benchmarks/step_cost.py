@@ -501,13 +501,17 @@ def _count(value) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
+def plot(results: dict[str, Any], path: Path) -> bool:
+    """ESP / chain verification per row count; False (no figure) when the
+    run has no such ratio (``--methods`` without ``chain`` or ``esp``)."""
+    table = ratio_table(results["cells"])
+    if not any("esp_vs_chain" in row for row in table):
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    table = ratio_table(results["cells"])
     contexts = sorted({r["context"] for r in table})
     batches = sorted({r["batch"] for r in table})
     figure, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4),
@@ -528,6 +532,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+    return True
 
 
 def main(argv=None) -> int:

@@ -508,6 +508,25 @@ def test_step_cost_table_ratios_and_missing_methods():
     assert "Only the first 2 requests of each step draft" in mixed
 
 
+def test_step_cost_plot_skips_runs_without_chain(tmp_path):
+    """``--methods plain esp`` has no ESP / chain ratio to plot: the run
+    used to die in matplotlib after writing its tables."""
+    from benchmarks.step_cost import plot
+
+    def cell(method, rows, seconds):
+        return {"method": method, "batch": 8, "context": 128, "rows": rows,
+                "median_seconds": seconds, "median_scheduled_tokens": 8 * rows,
+                "mean_context": 130.0}
+
+    without_chain = [cell("plain", 1, 0.1), cell("esp", 1, 0.1), cell("plain", 4, 0.1),
+                     cell("esp", 4, 0.12)]
+    assert plot({"cells": without_chain}, tmp_path / "none.png") is False
+    assert not (tmp_path / "none.png").exists()
+    assert plot({"cells": without_chain + [cell("chain", 4, 0.13)]},
+                tmp_path / "chain.png") is True
+    assert (tmp_path / "chain.png").stat().st_size > 0
+
+
 def test_offline_runs_every_method_continuously_at_each_batch_size(monkeypatch):
     """Each offline batch size b gets a fresh engine with max_num_seqs b and
     one generate call over every prompt, whatever the method: static waves

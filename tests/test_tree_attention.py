@@ -244,8 +244,10 @@ def test_kernel_splits_long_prefixes_across_threads_exactly():
                                                  (22, torch.bfloat16, 0)])
 def test_backend_forward_matches_reference_for_mixed_batches(seed, dtype, window,
                                                              monkeypatch):
-    """The backend splits a step with ESP blocks: plain requests through
-    vLLM's kernel, blocks through the tree kernel; every row must match."""
+    """The backend splits a step with ESP blocks: prefill chunks through
+    vLLM's kernel, blocks and plain decodes through the tree kernel; every
+    row must match. (Seed 21 has both a decode and a chunk beside its
+    blocks; 20 and 22 only decodes.)"""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
@@ -277,7 +279,19 @@ def test_backend_forward_matches_reference_for_mixed_batches(seed, dtype, window
     builder.isa, builder.kv_cache_dtype = "vec", "auto"
     split = builder._split(metadata, tree_inputs(batch),
                            SimpleNamespace(num_reqs=num_reqs))
-    assert split.plain is not None and split.plain.num_actual_tokens > 0
+    # One-row plain queries join the blocks in the tree kernel; longer ones
+    # (prefill chunks) stay with vLLM's kernel.
+    decodes = [i for i, r in enumerate(batch.requests)
+               if r["layout"] is None and r["rows"] == 1]
+    chunks = [i for i, r in enumerate(batch.requests)
+              if r["layout"] is None and r["rows"] > 1]
+    assert decodes, "every case has a plain decode beside its blocks"
+    assert split.tree.num_rows.numel() == len(batch.requests) - len(chunks)
+    if chunks:
+        assert split.plain.num_actual_tokens == sum(batch.requests[i]["rows"]
+                                                    for i in chunks)
+    else:
+        assert split.plain is None
     from vllm.v1.attention.backends import cpu_attn
 
     # The impl reads only the model dtype from vLLM's config.

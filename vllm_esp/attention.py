@@ -7,12 +7,17 @@ ESP needs, inside each verification block, the tree mask of
 :class:`vllm_esp.core.tree.BlockLayout`. So, for a step that holds ESP
 blocks, this backend splits the batch:
 
-* the requests without a block (prefill chunks, plain decodes, chain
-  fallbacks) go to vLLM's kernel as a sub-batch of their own;
 * the ESP blocks go to ``torch.ops.vllm_esp.tree_attention``
   (``vllm_esp/csrc/tree_attention.cpp``), which attends each block row to
   its request's committed prefix, read in place from the paged cache, and to
-  the block rows its tree mask allows, in one online-softmax pass.
+  the block rows its tree mask allows, in one online-softmax pass;
+* so do the plain decodes beside them, as 1-row blocks. Under ``auto``
+  block sizes most steps mix a few blocks with many plain decodes; a second
+  kernel per layer for them (with its gathers and scheduler metadata) cost
+  about a tenth of a plain step at batch 8 (docs/results.md, "One attention
+  kernel per step");
+* the other requests (prefill chunks, chain fallbacks) go to vLLM's kernel
+  as a sub-batch of their own.
 
 Every row is computed once, and nothing is copied out of the cache. Steps
 without ESP blocks run vLLM's forward unchanged. The metadata of both parts
@@ -93,22 +98,40 @@ class ESPCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
                common) -> ESPCPUAttentionMetadata:
         num_reqs = common.num_reqs
         blocks = torch.as_tensor(step.batch_indices)  # int64, ascending
-        is_block = torch.zeros(num_reqs, dtype=torch.bool)
-        is_block[blocks] = True
         seq_lens = metadata.seq_lens
         query_start_loc = metadata.query_start_loc
+        query_lens = query_start_loc[1:] - query_start_loc[:-1]
+        in_tree = torch.zeros(num_reqs, dtype=torch.bool)
+        in_tree[blocks] = True
+        # One-row queries (plain decodes beside the blocks) are 1-row blocks
+        # to the tree kernel: a step then runs one attention kernel per
+        # layer, not two, and gathers nothing for vLLM's.
+        decodes = torch.nonzero(~in_tree & (query_lens == 1)).flatten()
+        num_decodes = decodes.numel()
+        tree_requests = torch.cat([blocks, decodes]) if num_decodes else blocks
+        num_rows, tree_masks = step.num_rows, step.tree_masks
+        position_offsets = step.position_offsets
+        if num_decodes:
+            max_rows = tree_masks.shape[1]
+            num_rows = torch.cat([num_rows, torch.ones(num_decodes, dtype=num_rows.dtype)])
+            decode_masks = torch.zeros(num_decodes, max_rows, max_rows, dtype=torch.bool)
+            decode_masks[:, 0, 0] = True
+            tree_masks = torch.cat([tree_masks, decode_masks])
+            position_offsets = torch.cat([position_offsets, torch.zeros(
+                num_decodes, max_rows, dtype=position_offsets.dtype)])
         tree = TreeAttentionMetadata(
-            block_tables=metadata.block_table[blocks],
-            row_starts=query_start_loc[blocks],
-            num_rows=step.num_rows,
-            prefix_lens=(seq_lens[blocks] - step.num_rows).to(torch.int32),
-            tree_masks=step.tree_masks,
-            position_offsets=step.position_offsets,
+            block_tables=metadata.block_table[tree_requests],
+            row_starts=query_start_loc[tree_requests],
+            num_rows=num_rows,
+            prefix_lens=(seq_lens[tree_requests] - num_rows).to(torch.int32),
+            tree_masks=tree_masks,
+            position_offsets=position_offsets,
         )
+        in_tree[decodes] = True
         plain = plain_rows = None
-        plain_requests = torch.nonzero(~is_block).flatten()
+        plain_requests = torch.nonzero(~in_tree).flatten()
         if plain_requests.numel():
-            query_lens = (query_start_loc[1:] - query_start_loc[:-1])[plain_requests]
+            query_lens = query_lens[plain_requests]
             plain_query_start = torch.zeros(plain_requests.numel() + 1, dtype=torch.int32)
             torch.cumsum(query_lens, 0, out=plain_query_start[1:])
             plain_rows = torch.repeat_interleave(
