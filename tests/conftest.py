@@ -13,14 +13,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import pytest
 from shm_files import SHM, remove_unused_shm_files, vllm_shm_files
 
-from vllm_esp_dev import runs
-
-# Engines built by the tests run their worker inside the engine-core process
-# (vLLM's single-process executor): one process start and vLLM import less per
-# engine, about 11 s of each start on 2 cores. Tests of other executors (TP,
-# Ray) and of `vllm serve` pass their own.
-runs.ENGINE_DEFAULTS["distributed_executor_backend"] = "uni"
-
 
 @pytest.fixture(scope="session")
 def smollm2_dir():

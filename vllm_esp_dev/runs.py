@@ -16,11 +16,6 @@ from typing import Any
 # unset; 2 GiB is plenty for the bundled small models. Set before vLLM loads.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
-# Engine arguments every make_llm call gets unless it passes its own. The
-# test suite sets the single-process executor here (tests/conftest.py);
-# the demo and the benchmarks leave vLLM's defaults.
-ENGINE_DEFAULTS: dict[str, Any] = {}
-
 SPEC_COUNTERS = (
     "vllm:spec_decode_num_drafts",
     "vllm:spec_decode_num_draft_tokens",
@@ -86,7 +81,6 @@ def make_llm(model: str, speculative_config: dict | None = None, *,
 
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
-    kwargs = {**ENGINE_DEFAULTS, **kwargs}
     return LLM(model=str(model), dtype=dtype,
                max_num_seqs=max_num_seqs, seed=seed,
                speculative_config=speculative_config, enforce_eager=enforce_eager,
