@@ -101,35 +101,30 @@ class ESPCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         seq_lens = metadata.seq_lens
         query_start_loc = metadata.query_start_loc
         query_lens = query_start_loc[1:] - query_start_loc[:-1]
-        in_tree = torch.zeros(num_reqs, dtype=torch.bool)
-        in_tree[blocks] = True
+        is_block = torch.zeros(num_reqs, dtype=torch.bool)
+        is_block[blocks] = True
         # One-row queries (plain decodes beside the blocks) are 1-row blocks
         # to the tree kernel: a step then runs one attention kernel per
         # layer, not two, and gathers nothing for vLLM's.
-        decodes = torch.nonzero(~in_tree & (query_lens == 1)).flatten()
-        num_decodes = decodes.numel()
-        tree_requests = torch.cat([blocks, decodes]) if num_decodes else blocks
-        num_rows, tree_masks = step.num_rows, step.tree_masks
-        position_offsets = step.position_offsets
-        if num_decodes:
-            max_rows = tree_masks.shape[1]
-            num_rows = torch.cat([num_rows, torch.ones(num_decodes, dtype=num_rows.dtype)])
-            decode_masks = torch.zeros(num_decodes, max_rows, max_rows, dtype=torch.bool)
-            decode_masks[:, 0, 0] = True
-            tree_masks = torch.cat([tree_masks, decode_masks])
-            position_offsets = torch.cat([position_offsets, torch.zeros(
-                num_decodes, max_rows, dtype=position_offsets.dtype)])
+        is_decode = ~is_block & (query_lens == 1)
+        decodes = torch.nonzero(is_decode).flatten()
+        num_decodes, max_rows = decodes.numel(), step.tree_masks.shape[1]
+        decode_masks = torch.zeros(num_decodes, max_rows, max_rows, dtype=torch.bool)
+        decode_masks[:, 0, 0] = True
+        tree_requests = torch.cat([blocks, decodes])
+        num_rows = torch.cat([step.num_rows,
+                              torch.ones(num_decodes, dtype=step.num_rows.dtype)])
         tree = TreeAttentionMetadata(
             block_tables=metadata.block_table[tree_requests],
             row_starts=query_start_loc[tree_requests],
             num_rows=num_rows,
             prefix_lens=(seq_lens[tree_requests] - num_rows).to(torch.int32),
-            tree_masks=tree_masks,
-            position_offsets=position_offsets,
+            tree_masks=torch.cat([step.tree_masks, decode_masks]),
+            position_offsets=torch.cat([step.position_offsets, torch.zeros(
+                num_decodes, max_rows, dtype=step.position_offsets.dtype)]),
         )
-        in_tree[decodes] = True
         plain = plain_rows = None
-        plain_requests = torch.nonzero(~in_tree).flatten()
+        plain_requests = torch.nonzero(~(is_block | is_decode)).flatten()
         if plain_requests.numel():
             query_lens = query_lens[plain_requests]
             plain_query_start = torch.zeros(plain_requests.numel() + 1, dtype=torch.int32)
