@@ -150,6 +150,21 @@ def test_cost_model_converges_from_a_wrong_prior():
     assert model.per_row == pytest.approx(0.001, rel=0.1)
 
 
+def test_cost_model_learns_a_steeper_slope_from_a_narrow_range_of_rows():
+    """Real steps cost more per row than the start-up profile and span few
+    row counts; the online slope must still reach the real one. (With the
+    prior spread over the profile's 1 to 128 rows, the slope stayed at 80%
+    of the real one after 200 steps.)"""
+    profile_rows = np.array([1, 8, 32, 64, 128])
+    model = StepCostModel.fit(profile_rows, 0.058 + 0.0015 * profile_rows)
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        rows = int(rng.integers(8, 47))
+        model.observe(rows, (0.063 + 0.0021 * rows) * rng.uniform(0.9, 1.1))
+    assert model.per_row == pytest.approx(0.0021, rel=0.1)
+    assert model.seconds(24) == pytest.approx(0.063 + 0.0021 * 24, rel=0.05)
+
+
 def test_cost_model_fit_of_a_profile():
     rows = np.array([1, 8, 32, 64, 128])
     model = StepCostModel.fit(rows, 0.03 + 0.0005 * rows)

@@ -125,16 +125,24 @@ class StepCostModel:
     Least squares over the measured ``(R, t)`` with exponential forgetting
     (recent steps weigh more: the context grows, the machine's load
     changes), started from a prior fit (the start-up profile) that counts
-    as ``prior_weight`` observations.
+    as ``prior_weight`` observations at 1 and ``2 * prior_rows`` rows.
+
+    The prior's points stay close together so that they pin the level and
+    only weakly the slope. A real step's cost per row is above the
+    profile's (tree attention, verification and proposals grow with the
+    rows; on SmolLM2 at batch 4, 2.1 against 1.5 ms), and a step's rows
+    vary over a narrow range (8 to 46 there). With the prior spread over
+    the profile's whole range (1 to 128 rows) its leverage held the slope
+    at 1.7 ms after 200 steps; the allocation then bought rows that did not
+    pay (docs/results.md, "The cost model's slope").
     """
 
     def __init__(self, fixed: float, per_row: float, prior_weight: float = 20.0,
-                 forgetting: float = 0.99, prior_rows: float = 16.0) -> None:
+                 forgetting: float = 0.99, prior_rows: float = 8.0) -> None:
         self.forgetting = forgetting
         self.prior = (fixed, per_row)
         # Sufficient statistics of weighted least squares: sum w, sum w R,
-        # sum w R^2, sum w t, sum w R t; the prior as points spread over
-        # 1..2*prior_rows rows so that both parameters are pinned.
+        # sum w R^2, sum w t, sum w R t.
         self._stats = np.zeros(5)
         for rows in (1.0, 2.0 * prior_rows):
             self._add(rows, fixed + per_row * rows, prior_weight / 2)
@@ -169,7 +177,7 @@ class StepCostModel:
         per_row, fixed = np.polyfit(rows, seconds, 1)
         per_row = max(per_row, 1e-9)
         fixed = max(fixed, 0.05 * float(seconds.min()), 1e-9)
-        return cls(fixed, per_row, prior_rows=float(rows.max()) / 2, **kwargs)
+        return cls(fixed, per_row, **kwargs)
 
 
 class AcceptanceCalibration:
