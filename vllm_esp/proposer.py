@@ -123,7 +123,8 @@ class AutoStats:
         scales = proposer.calibration.scales
         logger.info(
             "ESP: %d steps, %.1f rows per step; %d blocks of %.1f rows, %.2f "
-            "accepted per block%s; calibration by depth 1/2/3/4+: esp x%s, lookup x%s",
+            "accepted per block%s; calibration by estimated reach "
+            "<.1/.1-.2/.2-.35/.35-.55/.55+: esp x%s, lookup x%s",
             self.num_steps, self.num_rows / max(self.num_steps, 1), self.num_blocks,
             self.block_rows / max(self.num_blocks, 1),
             self.accepted / max(self.num_blocks, 1),
@@ -386,11 +387,10 @@ class ESPProposer:
                           base_rows=num_requests, max_total_rows=self.max_step_tokens,
                           scales=self.calibration.scales)
 
-    def observe_verification(self, trees: TreeBatch, depths: np.ndarray,
-                             chains: np.ndarray, accepted: np.ndarray) -> None:
+    def observe_verification(self, trees: TreeBatch, chains: np.ndarray,
+                             accepted: np.ndarray) -> None:
         """Calibrate the sources' estimates on one step's verified blocks:
-        every drafted node (``depths``: the blocks' layouts'), and whether
-        it was on the accepted path."""
+        every drafted node, and whether it was on the accepted path."""
         if trees.reach is None:
             return
         width = trees.parents.shape[1]
@@ -402,7 +402,6 @@ class ESPProposer:
                                      & (depth[None, :] <= accepted[:, None]))
         on_path[block, chains[block, position]] = True
         self.calibration.observe(trees.sources[drafted].astype(np.int64),
-                                 depths[drafted],
                                  trees.reach[drafted].astype(np.float64),
                                  on_path[drafted])
         self.stats.blocks(trees.block_sizes(), accepted)

@@ -416,7 +416,7 @@ class ESPModelRunnerMixin:
             self._relocate_kv(step, step.row_starts[block] + chains[block, moved_depth],
                               step.row_starts[block] + moved_depth)
         last_node = chains[np.arange(step.num_blocks), accepted]
-        self.drafter.observe_verification(step.trees, step.layouts.depths, chains, accepted)
+        self.drafter.observe_verification(step.trees, chains, accepted)
         k = self.drafter.num_mask_tokens
         if k == 0:
             return

@@ -39,8 +39,9 @@ from numba import njit
 
 from vllm_esp.config import ESPConfig
 from vllm_esp.core.goodput import (
-    NUM_DEPTH_BUCKETS,
+    NUM_REACH_BUCKETS,
     NUM_SOURCES,
+    REACH_EDGES,
     SOURCE_ESP,
     SOURCE_LOOKUP,
     StepBudget,
@@ -176,9 +177,15 @@ class HybridParams:
 
 
 @njit(cache=True)
-def log_scale(log_scales, source, depth):
-    """The calibration of a node (``core.goodput``'s cells), in log space."""
-    return log_scales[source, min(depth, NUM_DEPTH_BUCKETS) - 1]
+def log_scale(log_scales, source, log_prior):
+    """The calibration of a node whose prior estimated reach is
+    ``exp(log_prior)`` (``core.goodput``'s cells), in log space."""
+    reach = math.exp(log_prior)
+    bucket = 0
+    for edge in REACH_EDGES:
+        if reach >= edge:
+            bucket += 1
+    return log_scales[source, bucket]
 
 
 @njit(cache=True)
@@ -194,17 +201,20 @@ def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_lo
     Also writes each row's gain in allocation order (``out_gains``, ``rows
     - 1`` entries, see ``core.goodput``) and each node's source tag and
     prior estimated reach (``out_sources``, ``out_reach``, BFS order).
-    ``log_scales[source, depth bucket]``: the calibration, in log space; it
+    ``log_scales[source, reach bucket]``: the calibration, in log space; it
     shapes the tree, and ``out_reach`` leaves it out so that the
     calibration is measured against the priors."""
     budget = max(block_size - 1, 0)
     parents = np.empty(capacity, np.int64)
     tokens = np.empty(capacity, np.int64)
     scores = np.empty(capacity, np.float32)
+    # Each candidate's prior log reach (its score before calibration).
+    priors = np.empty(capacity, np.float32)
     depths = np.empty(capacity, np.int64)
     sources = np.zeros(capacity, np.int8)
     chain_tokens = np.empty((max_chains, budget), np.int64)
     chain_scores = np.empty((max_chains, budget), np.float32)
+    chain_priors = np.empty((max_chains, budget), np.float32)
     chain_lengths = np.empty(max_chains, np.int64)
     num_chains = 0
     if use_lookup and budget > 0:
@@ -213,19 +223,22 @@ def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_lo
                                           chain_scores, chain_lengths)
         for c in range(num_chains):
             for d in range(chain_lengths[c]):
-                chain_scores[c, d] += np.float32(log_scale(log_scales, SOURCE_LOOKUP, d + 1))
+                chain_priors[c, d] = chain_scores[c, d]
+                chain_scores[c, d] += np.float32(
+                    log_scale(log_scales, SOURCE_LOOKUP, chain_priors[c, d]))
     first_chain = 0
     parents[0] = -1
     tokens[0] = root_token
     scores[0] = 0.0
+    priors[0] = 0.0
     depths[0] = 0
     if use_esp and has_candidates:
         count = esp_candidates_kernel(cand_tokens, cand_log_probs, budget, root_token,
                                       vocab_size, parents, tokens, scores, depths)
         # Mask probabilities overstate acceptance.
         for i in range(1, count):
-            scores[i] += np.float32(
-                esp_log_weight + log_scale(log_scales, SOURCE_ESP, depths[i]))
+            priors[i] = scores[i] + np.float32(esp_log_weight)
+            scores[i] = priors[i] + np.float32(log_scale(log_scales, SOURCE_ESP, priors[i]))
     elif num_chains > 0:
         # No mask candidates (first step after prefill, or the last accepted
         # node had no masks), or lookup alone: the first chain is the tree.
@@ -233,6 +246,7 @@ def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_lo
             parents[d + 1] = d
             tokens[d + 1] = chain_tokens[0, d]
             scores[d + 1] = chain_scores[0, d]
+            priors[d + 1] = chain_priors[0, d]
             depths[d + 1] = d + 1
             sources[d + 1] = 1
         count = chain_lengths[0] + 1
@@ -242,9 +256,9 @@ def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_lo
     else:
         return 0
     for c in range(first_chain, num_chains):
-        count = merge_chain_kernel(parents, tokens, scores, depths, count,
-                                   chain_tokens[c], chain_scores[c], chain_lengths[c],
-                                   sources, 1)
+        count = merge_chain_kernel(parents, tokens, scores, priors, depths, count,
+                                   chain_tokens[c], chain_scores[c], chain_priors[c],
+                                   chain_lengths[c], sources, SOURCE_LOOKUP)
     kept = np.empty(count, np.int64)
     masked = np.zeros(count, np.bool_)
     if use_esp:
@@ -260,8 +274,7 @@ def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_lo
     for i in range(num_kept):
         node = order[i]
         out_sources[i] = sources[node]
-        out_reach[i] = 1.0 if i == 0 else math.exp(
-            scores[node] - log_scale(log_scales, sources[node], depths[node]))
+        out_reach[i] = 1.0 if i == 0 else math.exp(priors[node])
     return size
 
 
@@ -284,7 +297,7 @@ def hybrid_tree(params: HybridParams, history: np.ndarray, root_token: int,
         np.asarray(history, np.int64), root_token, has_candidates, cand_tokens,
         cand_log_probs, vocab_size or 0, params.block_size, params.num_mask_tokens,
         params.use_esp, params.use_lookup, params.esp_log_weight,
-        np.zeros((NUM_SOURCES, NUM_DEPTH_BUCKETS)),
+        np.zeros((NUM_SOURCES, NUM_REACH_BUCKETS)),
         params.lookup_accept, params.mask_value, params.max_chains, capacity, False,
         out_parents, out_tokens, out_masked, out_gains, out_reach, out_sources)
     if size == 0:
@@ -445,7 +458,7 @@ class TreeProposer:
         caps = np.full(batch, block_size, np.int64)
         if row_caps is not None:
             np.minimum(caps, row_caps, out=caps)
-        log_scales = np.zeros((NUM_SOURCES, NUM_DEPTH_BUCKETS))
+        log_scales = np.zeros((NUM_SOURCES, NUM_REACH_BUCKETS))
         if budget is not None and budget.scales is not None:
             log_scales = np.log(np.maximum(np.asarray(budget.scales, np.float64), 1e-6))
         args = (histories, history_rows, history_starts, history_ends, roots,

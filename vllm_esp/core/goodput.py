@@ -22,11 +22,14 @@ hardware-aware tree size):
   ``(requests + sum of gains) / t(rows)``. A request may get no extra row
   (a plain decoding step), and so may the whole batch.
 * **Calibration.** :class:`AcceptanceCalibration` scales the estimates of
-  each candidate source at each depth (1, 2, 3, 4 and deeper) by how often
-  such drafts were really accepted, so the priors only matter for the first
-  steps. (Measured on Spec-Bench with one scale per source, deep lookup
-  nodes were overrated against shallow ones by up to 1.6x:
-  docs/results.md, "When only some requests draft".)
+  each candidate source in each band of estimated reach (below 0.1, 0.1 to
+  0.2, 0.2 to 0.35, 0.35 to 0.55, above) by how often such drafts were
+  really accepted, so the priors only matter for the first steps. Bands of
+  reach, not of depth: the rows the allocation weighs last are the ones
+  with low estimates, and those were the most overrated. (Measured on
+  Spec-Bench questions 3-4 at batch 4: lookup nodes estimated at 0.1 to
+  0.2 were accepted 0.66x as often as estimated, those above 0.2 about
+  0.93x, at every depth; docs/results.md, "The cost model's slope".)
 
 Worked example: 2 requests, cost ``t(R) = 1 + 0.1 R``; request 0's gains
 ``[.9, .5, .05]``, request 1's ``[.3]``::
@@ -52,19 +55,22 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["StepCostModel", "AcceptanceCalibration", "StepBudget", "allocate_rows",
-           "SOURCE_ESP", "SOURCE_LOOKUP", "NUM_SOURCES", "NUM_DEPTH_BUCKETS",
-           "depth_buckets"]
+           "SOURCE_ESP", "SOURCE_LOOKUP", "NUM_SOURCES", "REACH_EDGES",
+           "NUM_REACH_BUCKETS", "reach_buckets"]
 
 # Candidate sources (node tags written by the hybrid kernel).
 SOURCE_ESP, SOURCE_LOOKUP = 0, 1
 NUM_SOURCES = 2
-# Calibration cells per source: depth 1, 2, 3, and 4 or deeper.
-NUM_DEPTH_BUCKETS = 4
+# Calibration cells per source: bands of a node's prior estimated reach
+# (its chance of being accepted, before calibration).
+REACH_EDGES = (0.1, 0.2, 0.35, 0.55)
+NUM_REACH_BUCKETS = len(REACH_EDGES) + 1
 
 
-def depth_buckets(depths: np.ndarray) -> np.ndarray:
-    """Calibration cell of drafted nodes at ``depths`` (>= 1)."""
-    return np.minimum(np.asarray(depths, np.int64), NUM_DEPTH_BUCKETS) - 1
+def reach_buckets(reach: np.ndarray) -> np.ndarray:
+    """Calibration cell of drafted nodes whose prior estimate is ``reach``."""
+    return np.searchsorted(np.asarray(REACH_EDGES), np.asarray(reach, np.float64),
+                           side="right")
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,7 @@ class StepBudget:
     """What one step's allocation needs: the cost model's current fit, the
     rows the step has without drafts, a cap on its total rows (the
     scheduler's token budget), and the calibration scales
-    (``[NUM_SOURCES, NUM_DEPTH_BUCKETS]``, None for all 1)."""
+    (``[NUM_SOURCES, NUM_REACH_BUCKETS]``, None for all 1)."""
 
     fixed_cost: float
     cost_per_row: float
@@ -181,7 +187,7 @@ class StepCostModel:
 
 
 class AcceptanceCalibration:
-    """Per candidate source and depth bucket, how much the estimated
+    """Per candidate source and band of prior reach, how much the estimated
     acceptance should be scaled: ``(accepted + prior) / (predicted +
     prior)`` over recent steps.
 
@@ -199,24 +205,24 @@ class AcceptanceCalibration:
         self.prior = prior
         self.forgetting = forgetting
         self.min_scale, self.max_scale = min_scale, max_scale
-        self.predicted = np.zeros((NUM_SOURCES, NUM_DEPTH_BUCKETS))
-        self.accepted = np.zeros((NUM_SOURCES, NUM_DEPTH_BUCKETS))
+        self.predicted = np.zeros((NUM_SOURCES, NUM_REACH_BUCKETS))
+        self.accepted = np.zeros((NUM_SOURCES, NUM_REACH_BUCKETS))
 
-    def observe(self, sources: np.ndarray, depths: np.ndarray, reach: np.ndarray,
+    def observe(self, sources: np.ndarray, reach: np.ndarray,
                 accepted: np.ndarray) -> None:
-        """One step's drafted nodes: source tag, depth (>= 1), prior
-        estimated reach, and whether each was accepted (flat arrays)."""
+        """One step's drafted nodes: source tag, prior estimated reach,
+        and whether each was accepted (flat arrays)."""
         if sources.size == 0:
             return
-        cells = (np.asarray(sources, np.int64) * NUM_DEPTH_BUCKETS
-                 + depth_buckets(depths))
-        size = NUM_SOURCES * NUM_DEPTH_BUCKETS
+        reach = np.asarray(reach, np.float64)
+        cells = np.asarray(sources, np.int64) * NUM_REACH_BUCKETS + reach_buckets(reach)
+        size = NUM_SOURCES * NUM_REACH_BUCKETS
         self.predicted *= self.forgetting
         self.accepted *= self.forgetting
         self.predicted += np.bincount(cells, weights=reach, minlength=size).reshape(
-            NUM_SOURCES, NUM_DEPTH_BUCKETS)
+            NUM_SOURCES, NUM_REACH_BUCKETS)
         self.accepted += np.bincount(cells, weights=accepted.astype(np.float64),
-                                     minlength=size).reshape(NUM_SOURCES, NUM_DEPTH_BUCKETS)
+                                     minlength=size).reshape(NUM_SOURCES, NUM_REACH_BUCKETS)
 
     @property
     def scales(self) -> np.ndarray:

@@ -189,12 +189,13 @@ def lookup_chains_kernel(history, node_budget, max_chains, max_ngram, min_ngram,
 
 
 @njit(cache=True)
-def merge_chain_kernel(parents, tokens, scores, depths, count, chain_tokens,
-                       chain_scores, chain_length, sources, chain_source):
+def merge_chain_kernel(parents, tokens, scores, priors, depths, count, chain_tokens,
+                       chain_scores, chain_priors, chain_length, sources, chain_source):
     """Hang a chain (tokens/scores of depths 1..L under the root) into the
     candidates, sharing the prefix they have in common; a shared node keeps
-    the larger score (and the source tag, in ``sources``, of the source that
-    gave it). Appends the rest; returns the new count."""
+    the larger score (and the prior score, in ``priors``, and the source tag,
+    in ``sources``, of the source that gave it). Appends the rest; returns
+    the new count."""
     max_depth = 0
     for i in range(count):
         max_depth = max(max_depth, depths[i])
@@ -211,12 +212,14 @@ def merge_chain_kernel(parents, tokens, scores, depths, count, chain_tokens,
         attach = hit
         if chain_scores[depth - 1] > scores[attach]:
             scores[attach] = chain_scores[depth - 1]
+            priors[attach] = chain_priors[depth - 1]
             sources[attach] = chain_source
         depth += 1
     for d in range(depth, chain_length + 1):
         parents[count] = attach
         tokens[count] = chain_tokens[d - 1]
         scores[count] = chain_scores[d - 1]
+        priors[count] = chain_priors[d - 1]
         depths[count] = d
         sources[count] = chain_source
         attach = count
@@ -352,8 +355,10 @@ def merge_candidates(tree: ScoredCandidates, chain: ScoredCandidates) -> ScoredC
     parents, tokens, scores, depths = (np.resize(a, capacity) for a in tree.arrays())
     _, chain_tokens, chain_scores, _ = chain.arrays()
     sources = np.zeros(capacity, np.int8)
-    count = merge_chain_kernel(parents, tokens, scores, depths, count, chain_tokens[1:],
-                               chain_scores[1:], chain.num_candidates - 1, sources, 1)
+    priors = scores.copy()
+    count = merge_chain_kernel(parents, tokens, scores, priors, depths, count,
+                               chain_tokens[1:], chain_scores[1:], chain_scores[1:],
+                               chain.num_candidates - 1, sources, 1)
     return ScoredCandidates.from_arrays(parents, tokens, scores, depths, count)
 
 
