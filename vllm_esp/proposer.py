@@ -46,6 +46,7 @@ from vllm_esp.core.goodput import (
     AcceptanceCalibration,
     StepBudget,
     StepCostModel,
+    reach_band_labels,
 )
 from vllm_esp.core.mask_embedding import (
     ema_update_packed,
@@ -123,13 +124,13 @@ class AutoStats:
         scales = proposer.calibration.scales
         logger.info(
             "ESP: %d steps, %.1f rows per step; %d blocks of %.1f rows, %.2f "
-            "accepted per block%s; calibration by estimated reach "
-            "<.1/.1-.2/.2-.35/.35-.55/.55+: esp x%s, lookup x%s",
+            "accepted per block%s; calibration by estimated reach %s: esp x%s, lookup x%s",
             self.num_steps, self.num_rows / max(self.num_steps, 1), self.num_blocks,
             self.block_rows / max(self.num_blocks, 1),
             self.accepted / max(self.num_blocks, 1),
             "" if cost is None else
             f"; step cost {cost.fixed * 1e3:.1f} ms + {cost.per_row * 1e3:.2f} ms/row",
+            "/".join(reach_band_labels()),
             "/".join(f"{v:.2f}" for v in scales[SOURCE_ESP]),
             "/".join(f"{v:.2f}" for v in scales[SOURCE_LOOKUP]))
         self._reset()

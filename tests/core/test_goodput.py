@@ -208,6 +208,21 @@ def test_reach_buckets_follow_the_edges():
     assert reach_buckets(edges).tolist() == list(range(1, NUM_REACH_BUCKETS))
 
 
+def test_kernel_buckets_like_the_calibration():
+    """The proposal kernels scale a node by the cell the calibration puts it
+    in, on both sides of every edge (the kernel gets the log reach, so a
+    value exactly on an edge may round either way)."""
+    from vllm_esp.core.batch import log_scale
+
+    log_scales = np.log(np.arange(1.0, 2 * NUM_REACH_BUCKETS + 1)).reshape(2, -1)
+    reach = np.concatenate([REACH_EDGES * 1.001, REACH_EDGES * 0.999, [0.01, 0.3, 0.99]])
+    for source in (SOURCE_ESP, SOURCE_LOOKUP):
+        for value in reach:
+            bucket = int(reach_buckets(np.array([value]))[0])
+            assert log_scale(log_scales, source, np.log(value)) == pytest.approx(
+                log_scales[source, bucket])
+
+
 def test_low_estimates_scaled_down_leave_fewer_rows():
     """The allocation reads the calibrated reach: scaling down only the
     lowest band (below 0.1) removes those rows and keeps the others."""

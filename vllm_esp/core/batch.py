@@ -180,12 +180,8 @@ class HybridParams:
 def log_scale(log_scales, source, log_prior):
     """The calibration of a node whose prior estimated reach is
     ``exp(log_prior)`` (``core.goodput``'s cells), in log space."""
-    reach = math.exp(log_prior)
-    bucket = 0
-    for edge in REACH_EDGES:
-        if reach >= edge:
-            bucket += 1
-    return log_scales[source, bucket]
+    return log_scales[source, np.searchsorted(REACH_EDGES, math.exp(log_prior),
+                                              side="right")]
 
 
 @njit(cache=True)

@@ -56,21 +56,28 @@ import numpy as np
 
 __all__ = ["StepCostModel", "AcceptanceCalibration", "StepBudget", "allocate_rows",
            "SOURCE_ESP", "SOURCE_LOOKUP", "NUM_SOURCES", "REACH_EDGES",
-           "NUM_REACH_BUCKETS", "reach_buckets"]
+           "NUM_REACH_BUCKETS", "reach_buckets", "reach_band_labels"]
 
 # Candidate sources (node tags written by the hybrid kernel).
 SOURCE_ESP, SOURCE_LOOKUP = 0, 1
 NUM_SOURCES = 2
 # Calibration cells per source: bands of a node's prior estimated reach
 # (its chance of being accepted, before calibration).
-REACH_EDGES = (0.1, 0.2, 0.35, 0.55)
+# The compiled proposal kernels bucket with the same array and call.
+REACH_EDGES = np.array([0.1, 0.2, 0.35, 0.55])
 NUM_REACH_BUCKETS = len(REACH_EDGES) + 1
 
 
 def reach_buckets(reach: np.ndarray) -> np.ndarray:
     """Calibration cell of drafted nodes whose prior estimate is ``reach``."""
-    return np.searchsorted(np.asarray(REACH_EDGES), np.asarray(reach, np.float64),
-                           side="right")
+    return np.searchsorted(REACH_EDGES, np.asarray(reach, np.float64), side="right")
+
+
+def reach_band_labels() -> list[str]:
+    """The calibration cells' bands, for logs: ``<0.1``, ``0.1-0.2``, ..."""
+    edges = [f"{edge:g}" for edge in REACH_EDGES]
+    return ([f"<{edges[0]}"] + [f"{lo}-{hi}" for lo, hi in zip(edges, edges[1:])]
+            + [f">={edges[-1]}"])
 
 
 @dataclass(frozen=True)

@@ -355,6 +355,7 @@ def merge_candidates(tree: ScoredCandidates, chain: ScoredCandidates) -> ScoredC
     parents, tokens, scores, depths = (np.resize(a, capacity) for a in tree.arrays())
     _, chain_tokens, chain_scores, _ = chain.arrays()
     sources = np.zeros(capacity, np.int8)
+    # Uncalibrated here: every prior score is the score itself.
     priors = scores.copy()
     count = merge_chain_kernel(parents, tokens, scores, priors, depths, count,
                                chain_tokens[1:], chain_scores[1:], chain_scores[1:],
