@@ -6,9 +6,10 @@
 Prints, on the model's greedy Spec-Bench answers (reference decoder, fp32):
 
 * prompt lookup: the chance that the lookup chain's next token is right
-  after an ``m``-token match (``LOOKUP_ACCEPT`` in vllm_esp/core/hybrid.py),
-  and how it depends on whether the matched n-gram's other occurrences agree
-  (the ``f_d`` factor);
+  when its occurrence shares ``m`` tokens of context with the history's end
+  (``LOOKUP_ACCEPT`` in vllm_esp/core/hybrid.py), and how it depends on
+  whether the other occurrences sharing that context agree (the ``f_d``
+  factor);
 * ESP: the chance that a level-1 candidate is the next token, against its
   mask probability (``ESP_WEIGHT``: mask probabilities overstate it).
 
@@ -25,8 +26,12 @@ import sys
 import numpy as np
 
 
-def lookup_rates(samples, max_ngram: int = 3, min_ngram: int = 1):
-    from vllm_esp.core.hybrid import find_ngram_matches
+def lookup_rates(samples, max_context: int = 16):
+    """Per context length ``m`` (the tokens the lookup chain's occurrence
+    shares with the history's end, plus the chain tokens already right):
+    how often the chain's next token was right. ``m = max_context`` means
+    at least that."""
+    from vllm_esp.core.hybrid import lookup_occurrences
 
     tries, hits = collections.Counter(), collections.Counter()
     first_tries, first_hits = collections.Counter(), collections.Counter()
@@ -34,18 +39,19 @@ def lookup_rates(samples, max_ngram: int = 3, min_ngram: int = 1):
         for t in range(1, len(output)):
             history = np.asarray(prompt + output[:t])
             truth = output[t:]
-            n, starts = find_ngram_matches(history, max_ngram, min_ngram)
+            starts, contexts = lookup_occurrences(history, max_context=max_context)
             if not starts.size:
                 continue
-            chain = history[int(starts[-1]):int(starts[-1]) + 16]
-            nexts = history[np.minimum(starts, len(history) - 1)]
+            chain = history[int(starts[0]):int(starts[0]) + 16]
+            peers = starts[contexts >= contexts[0]]
+            nexts = history[np.minimum(peers, len(history) - 1)]
             agree = float(np.mean(nexts == chain[0]))
-            bucket = (n, "all agree" if agree == 1 else
+            bucket = (int(contexts[0]), "all agree" if agree == 1 else
                       ">= half agree" if agree >= 0.5 else "< half agree")
             first_tries[bucket] += 1
             first_hits[bucket] += int(chain[0] == truth[0])
             for depth in range(min(len(chain), len(truth))):
-                match_length = min(n + depth, 6)
+                match_length = min(int(contexts[0]) + depth, max_context)
                 tries[match_length] += 1
                 if chain[depth] != truth[depth]:
                     break
@@ -97,12 +103,12 @@ def main(argv=None) -> int:
         samples.append((prompt, output[0, len(prompt):].tolist()))
     tries, hits, first_tries, first_hits = lookup_rates(samples)
     print(f"prompt lookup, {len(samples)} greedy answers: P(next lookup token "
-          "right | match length m) (m = 6 means >= 6)")
+          "right | context length m) (m = 16 means >= 16)")
     for m in sorted(tries):
         print(f"  m={m}: {hits[m] / tries[m]:.3f}  (n={tries[m]})")
-    print("  first token, by n-gram length and agreement of its occurrences:")
+    print("  first token, by context length and agreement of its peers:")
     for bucket in sorted(first_tries):
-        print(f"    n={bucket[0]}, {bucket[1]}: "
+        print(f"    m={bucket[0]}, {bucket[1]}: "
               f"{first_hits[bucket] / first_tries[bucket]:.3f} (n={first_tries[bucket]})")
 
     # ESP: record each level-1 candidate's mask probability and whether it

@@ -11,12 +11,15 @@ import torch
 
 from vllm_esp.config import ESPConfig, ESPConfigError
 from vllm_esp.core.hybrid import (
+    LOOKUP_ACCEPT,
     LOOKUP_MAX_CHAINS,
+    LOOKUP_MAX_CONTEXT,
     allocate_block,
     find_ngram_matches,
     hybrid_next_tree,
     lookup_candidates,
     lookup_chains,
+    lookup_occurrences,
     merge_candidates,
 )
 from vllm_esp.core.proposal import dynamic_next_tree, esp_candidates, select_tree
@@ -27,6 +30,7 @@ from vllm_esp.core.sources import (
     ProposalContext,
     candidate_source,
 )
+from vllm_esp.core.tree import chain_tree
 
 X, THE, CAT, SAT, DOT, IS, WAS = range(7)
 VOCAB = 10
@@ -178,22 +182,65 @@ def test_hybrid_tree_respects_budget_and_is_a_tree(seed):
     assert _paths(tree) <= esp_paths | chain_paths
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_ngram_only_is_exactly_prompt_lookup(seed):
+def _longest_context_continuation(history, budget, max_context=LOOKUP_MAX_CONTEXT):
+    """Brute force: among the longest suffix n-gram's (n <= 3) earlier
+    occurrences, the continuation of the one whose match extends furthest
+    back (at most max_context tokens), the most recent among equals."""
+    history = history.tolist()
+    size = len(history)
+    for n in range(min(3, size - 1), 0, -1):
+        ends = [i + n for i in range(size - n) if history[i:i + n] == history[-n:]]
+        if ends:
+            break
+    else:
+        return []
+
+    def context(end):
+        length = n
+        while (length < max_context and end - length - 1 >= 0
+               and history[end - length - 1] == history[size - length - 1]):
+            length += 1
+        return length
+
+    best = max(ends, key=lambda end: (context(end), end))
+    return history[best:best + budget]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_ngram_only_is_the_longest_context_chain(seed):
     generator = np.random.default_rng(seed)
-    history = generator.integers(0, 6, size=int(generator.integers(2, 50)))
+    history = generator.integers(0, 4, size=int(generator.integers(2, 80)))
     budget = int(generator.integers(1, 12))
     config = ESPConfig.from_dict({"block_complexity": 2 * (budget + 1),
                                   "candidates": ["ngram"]})
     assert config.node_budget == budget
     context = ProposalContext(history, int(history[-1]))
     hybrid = candidate_source(config).propose(context)
-    lookup = PromptLookupSource(3, 1, num_draft_tokens=budget).propose(context)
-    if lookup is None:
+    expected = _longest_context_continuation(history, budget)
+    if not expected:
         assert hybrid is None
     else:
-        assert hybrid.tree_spec == lookup.tree_spec  # a chain, no masks
-        assert hybrid.tokens.tolist() == lookup.tokens.tolist()
+        assert hybrid.tree_spec == chain_tree(len(expected), 0)  # a chain, no masks
+        assert hybrid.tokens.tolist() == [int(history[-1])] + expected
+
+
+def test_lookup_prefers_the_occurrence_sharing_the_longest_context():
+    # "1 2 3" occurred twice: at index 2, after "9 8" like the history's
+    # end ("9 8 1 2 3": 5 tokens of shared context), and more recently at
+    # index 8, after "7" (3 tokens).
+    history = np.array([9, 8, 1, 2, 3, 4, 5, 7, 1, 2, 3, 6, 0, 9, 8, 1, 2, 3])
+    starts, contexts = lookup_occurrences(history)
+    assert starts.tolist() == [5, 11] and contexts.tolist() == [5, 3]
+    first, second = lookup_chains(history, node_budget=2, max_chains=2)
+    assert first.tokens[1:].tolist() == [4, 5] and second.tokens[1:].tolist() == [6, 0]
+    # Scores use each occurrence's own context; the first chain's only peer
+    # (context >= 5) is itself, the second's are both occurrences.
+    np.testing.assert_allclose(
+        first.scores[1:].exp().numpy(), np.cumprod(LOOKUP_ACCEPT[5:7]), rtol=1e-5)
+    np.testing.assert_allclose(second.scores[1].exp().item(), LOOKUP_ACCEPT[3] / 2, rtol=1e-5)
+    # Pure prompt lookup (vLLM's ngram) keeps taking the most recent one.
+    lookup = PromptLookupSource(3, 1, num_draft_tokens=2).propose(ProposalContext(history, 3))
+    assert lookup.tokens.tolist() == [3, 6, 0]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -239,7 +286,11 @@ def test_budget_goes_to_the_more_likely_source():
     flat = torch.zeros(1, 20)  # ESP knows nothing: uniform masks
     tree = hybrid_next_tree(history, 1, flat, block_size=8, num_mask_tokens=1,
                             candidates=("esp", "ngram"), mask_value=0.3)
-    assert (4, 5, 6, 7, 2, 3) in _paths(tree)
+    chain = (4, 5, 6, 7, 2, 3)
+    # Every node is the chain's (none of ESP's uniform candidates), and it
+    # gets most of the block.
+    assert _paths(tree) <= {chain[:d] for d in range(1, 7)}
+    assert chain[:5] in _paths(tree)
     # A confident mask beats the weak chain's deeper tokens, not its first.
     confident = _mask_logits({11: 0.97}, vocab=20)
     tree = hybrid_next_tree(history, 1, confident, block_size=8, num_mask_tokens=1,

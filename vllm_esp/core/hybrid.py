@@ -10,15 +10,17 @@ hold both and verification keeps whichever is right.
 Algorithm (one call per request per step):
 
 1. **Lookup candidates.** The longest suffix n-gram (``max_ngram`` down to
-   ``min_ngram``) with an earlier occurrence; its most recent occurrence's
-   continuation becomes a chain ``c_1 .. c_L`` (``L <= B``), and so do older
-   occurrences' continuations that start with another token (up to
-   ``LOOKUP_MAX_CHAINS`` chains). Node ``c_d``
-   scores ``sum_{j<=d} log q(n + j - 1) + log f_d``: ``q(m)`` is the
-   measured chance that a lookup token is accepted after an ``m``-token
-   match (accepting a token lengthens the match), and ``f_d`` the fraction
-   of the n-gram's occurrences whose continuation agrees with ``c_1..c_d``
-   (the match count signal).
+   ``min_ngram``) with an earlier occurrence. Each occurrence's match is
+   extended backwards to the context it shares with the history's end
+   (``m`` tokens, up to 16), and the occurrence with the longest context
+   wins, the most recent among equals (like a suffix tree's deepest match).
+   Its continuation becomes a chain ``c_1 .. c_L`` (``L <= B``), and so do
+   the next occurrences' continuations that start with another token (up to
+   ``LOOKUP_MAX_CHAINS`` chains). Node ``c_d`` scores ``sum_{j<=d} log
+   q(m + j - 1) + log f_d``: ``q(m)`` is the measured chance that a lookup
+   token is accepted after an ``m``-token context (accepting a token
+   lengthens it), and ``f_d`` the fraction of the occurrences sharing at
+   least that context whose continuation agrees with ``c_1..c_d``.
 2. **ESP candidates.** The dynamic tree's candidates (paper Algorithm 1,
    ``esp_candidates``): cumulative mask log-probabilities, plus
    ``log ESP_WEIGHT`` (mask probabilities overstate acceptance).
@@ -51,7 +53,7 @@ Worked example, a block of 8 rows, ``k = 1``, ``q = (0, .25, .45, .6, .7,
     tree:   cat -> {sat -> . -> the -> cat, is}, masks on cat (root) and is:
             6 nodes + 2 mask rows = 8 rows
 
-With only ``"ngram"`` the tree is exactly ``PromptLookupSource``'s chain of
+With only ``"ngram"`` the tree is the first lookup chain (step 1) of
 up to ``block_size - 1`` tokens (no masks); with only ``"esp"`` the hybrid is not used
 (``candidate_source`` returns ``ESPMaskSource``). Merged nodes are verified
 like any node, so the method stays lossless whatever the scores are; the
@@ -74,9 +76,11 @@ from vllm_esp.core.proposal import (
 )
 
 __all__ = [
+    "LOOKUP_MAX_CONTEXT",
     "LOOKUP_MAX_NGRAM",
     "LOOKUP_MIN_NGRAM",
     "find_ngram_matches",
+    "lookup_occurrences",
     "lookup_candidates",
     "lookup_chains",
     "merge_candidates",
@@ -87,14 +91,20 @@ __all__ = [
 LOOKUP_MAX_NGRAM = 3
 LOOKUP_MIN_NGRAM = 1
 
-# q(m): chance that the next lookup token is accepted after an m-token match
-# (m >= len - 1 uses the last entry), when the matched n-gram's occurrences
-# agree. Priors fitted with benchmarks/calibrate_hybrid.py on SmolLM2-135M's
-# greedy answers to Spec-Bench questions that include the benchmark's own
-# (docs/results.md, "Calibration and overlap"); with 'auto' blocks they are
-# rescaled online from the engine's verification outcomes (core.goodput).
-# Only the ranking of candidates depends on these numbers, never the output.
-LOOKUP_ACCEPT = (0.0, 0.35, 0.55, 0.8, 0.82, 0.87, 0.92)
+# q(m): chance that the next lookup token is accepted when the chain's
+# occurrence shares m tokens of context with the history's end (accepted
+# chain tokens lengthen it; m >= len - 1 uses the last entry, which also caps
+# how far back contexts are compared). Fitted with
+# benchmarks/calibrate_hybrid.py on SmolLM2-135M's greedy answers to
+# Spec-Bench questions 1-4 of each category (52 prompts, 128 tokens; the
+# benchmarks' tables use questions 5-6), made non-decreasing by pooling
+# neighbours. With 'auto' blocks they are rescaled online from the engine's
+# verification outcomes (core.goodput). Only the ranking of candidates
+# depends on these numbers, never the output.
+LOOKUP_ACCEPT = (0.0, 0.23, 0.49, 0.655, 0.66, 0.77, 0.82, 0.82, 0.84, 0.84, 0.84,
+                 0.84, 0.9, 0.9, 0.92, 0.92, 0.96)
+# How many tokens of context lookup compares at most (the table's last entry).
+LOOKUP_MAX_CONTEXT = len(LOOKUP_ACCEPT) - 1
 # Mask probabilities overstate acceptance: a level-1 candidate with mask
 # probability p was the next token about 0.35 p of the time (same script).
 ESP_WEIGHT = 0.35
@@ -139,25 +149,58 @@ def ngram_matches_kernel(history, max_ngram, min_ngram, starts):
 
 
 @njit(cache=True)
+def lookup_occurrences_kernel(history, max_ngram, min_ngram, max_context, starts,
+                              contexts):
+    """The longest suffix n-gram's occurrences (``ngram_matches_kernel``),
+    ordered by how much context they share with the end of ``history``:
+    each occurrence's match is extended backwards token by token (up to
+    ``max_context``), and the occurrences are sorted by that length, the
+    most recent first among equals. Writes ``starts`` (where each
+    continuation starts) and ``contexts`` (the lengths) in that order;
+    returns their count."""
+    size = history.shape[0]
+    found = np.empty(max(size, 1), np.int64)
+    match_length, count = ngram_matches_kernel(history, max_ngram, min_ngram, found)
+    if count == 0:
+        return 0
+    lengths = np.empty(count, np.int64)
+    for i in range(count):
+        end = found[i]
+        length = match_length
+        while (length < max_context and end - length - 1 >= 0
+               and history[end - length - 1] == history[size - length - 1]):
+            length += 1
+        lengths[i] = length
+    # Longest context first; among equals the most recent (larger start).
+    order = np.argsort(-(lengths * (size + 1) + found[:count]))
+    for i in range(count):
+        starts[i] = found[order[i]]
+        contexts[i] = lengths[order[i]]
+    return count
+
+
+@njit(cache=True)
 def lookup_chains_kernel(history, node_budget, max_chains, max_ngram, min_ngram,
                          lookup_accept, chain_tokens, chain_scores, chain_lengths):
     """Prompt-lookup chains into ``chain_tokens/chain_scores`` (rows of
     ``node_budget``; the root excluded): the continuations of the longest
-    matching n-gram's occurrences, most recent first, one per distinct first
-    token, at most ``max_chains``. Node ``d`` of a chain scores
-    ``sum_{j <= d} log q(n + j - 1) + log f_d`` (see the module docstring).
-    Returns the number of chains."""
+    matching n-gram's occurrences, the one sharing the longest context first
+    (``lookup_occurrences_kernel``), one per distinct first token, at most
+    ``max_chains``. Node ``d`` of a chain whose occurrence shares ``m``
+    tokens of context scores ``sum_{j <= d} log q(m + j - 1) + log f_d``
+    (see the module docstring). Returns the number of chains."""
     size = history.shape[0]
-    starts = np.empty(max(size, 1), np.int64)
-    match_length, num_matches = ngram_matches_kernel(history, max_ngram, min_ngram, starts)
-    if num_matches == 0:
-        return 0
-    num_chains = 0
     table_size = lookup_accept.shape[0]
-    for occurrence in range(num_matches - 1, -1, -1):
+    starts = np.empty(max(size, 1), np.int64)
+    contexts = np.empty(max(size, 1), np.int64)
+    num_matches = lookup_occurrences_kernel(history, max_ngram, min_ngram,
+                                            table_size - 1, starts, contexts)
+    num_chains = 0
+    for occurrence in range(num_matches):
         if num_chains == max_chains:
             break
         start = starts[occurrence]
+        context = contexts[occurrence]
         length = min(node_budget, size - start)
         first = history[start]
         seen = False
@@ -166,11 +209,16 @@ def lookup_chains_kernel(history, node_budget, max_chains, max_ngram, min_ngram,
                 seen = True
         if seen:
             continue
+        # Agreement is counted among the occurrences that share at least
+        # this chain's context: the others are weaker evidence.
+        peers = 0
+        while peers < num_matches and contexts[peers] >= context:
+            peers += 1
         log_accept = 0.0
         for d in range(length):
-            # Share of all occurrences whose continuation agrees up to d.
+            # Share of those occurrences whose continuation agrees up to d.
             agree = 0
-            for other in range(num_matches):
+            for other in range(peers):
                 same = True
                 for j in range(d + 1):
                     position = starts[other] + j
@@ -179,10 +227,10 @@ def lookup_chains_kernel(history, node_budget, max_chains, max_ngram, min_ngram,
                         break
                 if same:
                     agree += 1
-            log_accept += math.log(lookup_accept[min(match_length + d, table_size - 1)])
+            log_accept += math.log(lookup_accept[min(context + d, table_size - 1)])
             chain_tokens[num_chains, d] = history[start + d]
             chain_scores[num_chains, d] = np.float32(
-                log_accept + math.log(agree / num_matches))
+                log_accept + math.log(agree / peers))
         chain_lengths[num_chains] = length
         num_chains += 1
     return num_chains
@@ -305,6 +353,23 @@ def find_ngram_matches(token_ids: np.ndarray, max_ngram: int,
     starts = np.empty(max(history.shape[0], 1), np.int64)
     n, count = ngram_matches_kernel(history, max_ngram, min_ngram, starts)
     return n, starts[:count].copy()
+
+
+def lookup_occurrences(token_ids: np.ndarray, max_ngram: int = LOOKUP_MAX_NGRAM,
+                       min_ngram: int = LOOKUP_MIN_NGRAM,
+                       max_context: int = LOOKUP_MAX_CONTEXT,
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """The longest suffix n-gram's earlier occurrences in the order lookup
+    uses them: where each continuation starts, and how many tokens of
+    context each shares with the end of the history (at most
+    ``max_context``), the longest context first, the most recent first
+    among equals."""
+    history = np.asarray(token_ids, dtype=np.int64)
+    starts = np.empty(max(history.shape[0], 1), np.int64)
+    contexts = np.empty(max(history.shape[0], 1), np.int64)
+    count = lookup_occurrences_kernel(history, max_ngram, min_ngram, max_context,
+                                      starts, contexts)
+    return starts[:count].copy(), contexts[:count].copy()
 
 
 def lookup_chains(token_ids: np.ndarray, node_budget: int, max_chains: int = 1,
