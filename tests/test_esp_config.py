@@ -30,6 +30,10 @@ from vllm_esp.config import ESPConfig, ESPConfigError
     ({"tree": [4], "max_block_complexity": 16}, ["max_block_complexity", "auto"]),
     ({"block_complexity": 20, "max_block_complexity": 16}, ["max_block_complexity"]),
     ({"tree": [4], "block_complexity": "auto"}, ["'tree'", "exclusive"]),
+    ({"lookup_cache_tokens": -1}, ["lookup_cache_tokens", "0 to 65536"]),
+    ({"lookup_cache_tokens": 10**6}, ["lookup_cache_tokens", "0 to 65536"]),
+    ({"lookup_cache_tokens": True}, ["lookup_cache_tokens"]),
+    ({"candidates": ["esp"], "lookup_cache_tokens": 100}, ["lookup_cache_tokens", "ngram"]),
 ])
 def test_bad_options_name_key_and_allowed_values(options, must_mention):
     with pytest.raises(ESPConfigError) as error:
@@ -53,6 +57,10 @@ def test_defaults_and_geometry():
     assert (dynamic.num_nodes, dynamic.node_budget, dynamic.block_size) == (15, 14, 30)
     two_masks = ESPConfig.from_dict({"num_mask_tokens": 2})
     assert two_masks.auto and two_masks.block_size == 30  # 10 nodes x 3 rows
+    # Prompt lookup searches earlier answers too, unless turned off.
+    assert default.lookup_cache_tokens == 8192
+    assert ESPConfig.from_dict({"lookup_cache_tokens": 0}).lookup_cache_tokens == 0
+    assert ESPConfig.from_dict({"candidates": ["esp"]}).lookup_cache_tokens == 0
 
 
 def _engine_args(**kwargs):
@@ -137,7 +145,8 @@ def test_vllm_serve_refuses_bad_config_at_startup():
 
 @pytest.mark.parametrize("options", [{}, {"tree": [15, 4]}, {"block_complexity": 30},
                                      {"num_mask_tokens": 2, "block_complexity": 20,
-                                      "mask_init": "zero", "ema": 0.0}])
+                                      "mask_init": "zero", "ema": 0.0},
+                                     {"lookup_cache_tokens": 100}])
 def test_serialized_round_trip(options):
     """Workers rebuild the config from additional_config["esp"]."""
     config = ESPConfig.from_dict(options)

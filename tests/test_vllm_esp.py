@@ -297,3 +297,24 @@ def test_engine_starts_when_the_warm_up_proposes_no_tree(tiny_llama_dir):
         shutdown(llm)
     assert [len(t) for t in run.token_ids] == [8, 8]
     assert run.num_drafts == 0
+
+
+def test_a_repeated_request_is_drafted_from_earlier_answers(smollm2_dir, prompts):
+    """Prompt lookup also searches finished requests' answers
+    (``lookup_cache_tokens``): asked the same question again, the engine
+    finds the first answer and drafts from it, with the same output."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    accepted = "vllm:spec_decode_num_accepted_tokens"
+    llm = make_llm(smollm2_dir, {"method": "esp"}, max_num_seqs=2)
+    try:
+        first = generate(llm, [prompts[0]], params)
+        second = generate(llm, [prompts[0]], params)
+    finally:
+        shutdown(llm)
+    assert second.token_ids == first.token_ids
+    # Without the cache both runs draft from the same history and accept
+    # about the same; with it, the second accepts most of the answer.
+    assert second.counters[accepted] >= first.counters[accepted] + 16
+    assert second.counters[accepted] >= 0.5 * len(second.token_ids[0])

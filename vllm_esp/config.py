@@ -50,6 +50,7 @@ ALLOWED_KEYS = (
     "ema",
     "candidates",
     "max_block_complexity",
+    "lookup_cache_tokens",
 )
 AUTO = "auto"
 # The largest block 'auto' may give one request. On the 2-core CPU this was
@@ -60,6 +61,11 @@ DEFAULT_MAX_BLOCK_COMPLEXITY = 32
 # fallback path hands it whole blocks as chains.
 MAX_DRAFT_SLOTS = 128
 MAX_MASK_TOKENS = 3
+# Tokens of earlier requests' answers that prompt lookup also searches
+# (core.hybrid.AnswerCorpus); 0 turns the cross-request cache off. Lookup
+# scans the cache once per request and step, so it is bounded.
+DEFAULT_LOOKUP_CACHE_TOKENS = 8192
+MAX_LOOKUP_CACHE_TOKENS = 65536
 
 # Small blocks by default: on CPU a verification row costs nearly what a
 # decode step's row does, so a 10-row block is already several times a plain
@@ -91,6 +97,8 @@ class ESPConfig:
     candidates: tuple[str, ...] = field(default=("esp",))
     # Goodput-sized blocks per request and step, up to block_complexity rows.
     auto: bool = False
+    # Earlier answers kept for prompt lookup across requests (hybrid only).
+    lookup_cache_tokens: int = 0
 
     def __post_init__(self) -> None:
         self._validate()
@@ -158,6 +166,14 @@ class ESPConfig:
             raise _fail("candidates", candidates,
                         f"a non-empty list of distinct names from "
                         f"{list(CANDIDATE_SOURCES)}, e.g. [\"esp\", \"ngram\"]")
+        if "lookup_cache_tokens" in options and "ngram" not in candidates:
+            raise ESPConfigError(
+                "ESP speculative_config: 'lookup_cache_tokens' sizes prompt "
+                "lookup's cache of earlier answers; it needs \"ngram\" in "
+                f"'candidates' (got {list(candidates)}).")
+        lookup_cache_tokens = options.get(
+            "lookup_cache_tokens",
+            DEFAULT_LOOKUP_CACHE_TOKENS if "ngram" in candidates else 0)
         return cls(
             num_mask_tokens=num_mask_tokens,
             tree=tree,
@@ -166,6 +182,7 @@ class ESPConfig:
             mask_init=options.get("mask_init", "mean"),
             ema=options.get("ema", 0.1),
             candidates=tuple(c for c in CANDIDATE_SOURCES if c in candidates),
+            lookup_cache_tokens=lookup_cache_tokens,
         )
 
     def _validate(self) -> None:
@@ -204,6 +221,8 @@ class ESPConfig:
         if bad or not self.candidates:
             raise _fail("candidates", list(self.candidates),
                         f"a non-empty subset of {list(CANDIDATE_SOURCES)}")
+        _check_int("lookup_cache_tokens", self.lookup_cache_tokens, 0,
+                   MAX_LOOKUP_CACHE_TOKENS, hint=" (0: no cache)")
         if self.num_draft_slots > MAX_DRAFT_SLOTS:
             raise ESPConfigError(
                 f"ESP speculative_config: the block has {self.block_size} "
@@ -264,6 +283,7 @@ class ESPConfig:
             mask_init=data["mask_init"],
             ema=data["ema"],
             candidates=tuple(data.get("candidates", ("esp",))),
+            lookup_cache_tokens=data.get("lookup_cache_tokens", 0),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -272,6 +292,7 @@ class ESPConfig:
             "mask_init": self.mask_init,
             "ema": self.ema,
             "candidates": list(self.candidates),
+            "lookup_cache_tokens": self.lookup_cache_tokens,
         }
         if self.tree is not None:
             out["tree"] = list(self.tree)

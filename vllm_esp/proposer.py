@@ -41,6 +41,7 @@ from vllm.v1.outputs import DraftTokenIds
 from vllm_esp.config import ESPConfig
 from vllm_esp.core.batch import TreeBatch, TreeProposer, block_layouts, select_chains
 from vllm_esp.core.goodput import (
+    SOURCE_CORPUS,
     SOURCE_ESP,
     SOURCE_LOOKUP,
     AcceptanceCalibration,
@@ -48,6 +49,7 @@ from vllm_esp.core.goodput import (
     StepCostModel,
     reach_band_labels,
 )
+from vllm_esp.core.hybrid import AnswerCorpus
 from vllm_esp.core.mask_embedding import (
     ema_update_packed,
     embedding_table_sums,
@@ -124,7 +126,8 @@ class AutoStats:
         scales = proposer.calibration.scales
         logger.info(
             "ESP: %d steps, %.1f rows per step; %d blocks of %.1f rows, %.2f "
-            "accepted per block%s; calibration by estimated reach %s: esp x%s, lookup x%s",
+            "accepted per block%s; calibration by estimated reach %s: esp x%s, "
+            "lookup x%s, cached answers x%s",
             self.num_steps, self.num_rows / max(self.num_steps, 1), self.num_blocks,
             self.block_rows / max(self.num_blocks, 1),
             self.accepted / max(self.num_blocks, 1),
@@ -132,7 +135,8 @@ class AutoStats:
             f"; step cost {cost.fixed * 1e3:.1f} ms + {cost.per_row * 1e3:.2f} ms/row",
             "/".join(reach_band_labels()),
             "/".join(f"{v:.2f}" for v in scales[SOURCE_ESP]),
-            "/".join(f"{v:.2f}" for v in scales[SOURCE_LOOKUP]))
+            "/".join(f"{v:.2f}" for v in scales[SOURCE_LOOKUP]),
+            "/".join(f"{v:.2f}" for v in scales[SOURCE_CORPUS]))
         self._reset()
 
 
@@ -189,6 +193,8 @@ class ESPProposer:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.max_step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.stats = AutoStats()
+        # Finished requests' answers, for prompt lookup across requests.
+        self.answer_cache = AnswerCorpus(config.lookup_cache_tokens)
 
     # ------------------------------------------------------------ engine glue
     def load_model(self, model) -> None:
@@ -275,7 +281,12 @@ class ESPProposer:
         return counts
 
     def drop(self, req_ids) -> None:
+        """Forget finished requests (their answers join the lookup cache)."""
+        requests = self.runner.requests if self.runner is not None else {}
         for req_id in req_ids:
+            request = requests.get(req_id)
+            if request is not None and self.answer_cache.max_tokens:
+                self.answer_cache.add(request.output_token_ids)
             slot = self.slot_of.pop(req_id, None)
             if slot is not None:
                 self.free_slots.append(slot)
@@ -379,7 +390,8 @@ class ESPProposer:
             token_ids[rows, ends - 1].astype(np.int64),
             cand_tokens, cand_log_probs, has_candidates,
             self.runner.model_config.get_vocab_size(),
-            row_caps=self.max_model_len - ends, budget=self._step_budget(num_requests))
+            row_caps=self.max_model_len - ends, budget=self._step_budget(num_requests),
+            corpus=self.answer_cache.tokens)
 
     def _step_budget(self, num_requests: int) -> StepBudget | None:
         if not self.auto or self.cost_model is None:

@@ -10,6 +10,7 @@ from vllm_esp.config import ESPConfig
 from vllm_esp.core.batch import TreeProposer, block_layouts
 from vllm_esp.core.goodput import (
     NUM_REACH_BUCKETS,
+    NUM_SOURCES,
     REACH_EDGES,
     SOURCE_ESP,
     SOURCE_LOOKUP,
@@ -178,7 +179,7 @@ def test_calibration_converges_per_source_and_reach():
     its own ratio from a stream of verification outcomes."""
     rng = np.random.default_rng(3)
     calibration = AcceptanceCalibration()
-    assert calibration.scales.shape == (2, NUM_REACH_BUCKETS)
+    assert calibration.scales.shape == (NUM_SOURCES, NUM_REACH_BUCKETS)
     assert (calibration.scales == 1.0).all()
     true_scale = np.ones((2, NUM_REACH_BUCKETS))
     true_scale[SOURCE_ESP, :2] = 0.5

@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from vllm_esp.config import ESPConfig, ESPConfigError
+from vllm_esp.core.batch import TreeProposer
+from vllm_esp.core.goodput import SOURCE_CORPUS, SOURCE_LOOKUP
 from vllm_esp.core.hybrid import (
     LOOKUP_ACCEPT,
     LOOKUP_MAX_CHAINS,
     LOOKUP_MAX_CONTEXT,
+    AnswerCorpus,
     allocate_block,
     find_ngram_matches,
     hybrid_next_tree,
@@ -241,6 +244,62 @@ def test_lookup_prefers_the_occurrence_sharing_the_longest_context():
     # Pure prompt lookup (vLLM's ngram) keeps taking the most recent one.
     lookup = PromptLookupSource(3, 1, num_draft_tokens=2).propose(ProposalContext(history, 3))
     assert lookup.tokens.tolist() == [3, 6, 0]
+
+
+def test_answer_corpus_keeps_the_latest_answers_within_its_size():
+    corpus = AnswerCorpus(8)
+    corpus.add([5, 6, 7])
+    corpus.add([8, 9])
+    assert corpus.tokens.tolist() == [5, 6, 7, -1, 8, 9, -1]
+    corpus.add([1, 2, 3])
+    assert corpus.tokens.tolist() == [8, 9, -1, 1, 2, 3, -1]
+    corpus.add(list(range(20)))  # longer than the whole cache: its end
+    assert corpus.tokens.tolist() == list(range(13, 20)) + [-1]
+    off = AnswerCorpus(0)
+    off.add([1, 2])
+    assert off.tokens.size == 0
+
+
+def test_lookup_searches_earlier_answers_and_stops_at_their_end():
+    corpus = AnswerCorpus(64)
+    corpus.add([1, 2, 3, 4, 5, 6, 7])
+    corpus.add([9, 9])
+    # "3 4 5" never occurred in the request's own history, but in an
+    # earlier answer, where 6 7 and the answer's end followed.
+    history = np.array([8, 3, 4, 5])
+    assert lookup_chains(history, node_budget=4) == []
+    (chain,) = lookup_chains(history, node_budget=4, corpus=corpus.tokens)
+    assert chain.tokens[1:].tolist() == [6, 7]
+    np.testing.assert_allclose(chain.scores[1:].exp().numpy(),
+                               np.cumprod(LOOKUP_ACCEPT[3:5]), rtol=1e-5)
+    # Equal contexts (3 tokens each): the request's own, more recent, wins.
+    own = np.array([3, 4, 5, 0, 8, 3, 4, 5])
+    (chain,) = lookup_chains(own, node_budget=2, corpus=corpus.tokens)
+    assert chain.tokens[1:].tolist() == [0, 8]
+
+
+def test_chains_from_earlier_answers_carry_their_own_source_tag():
+    config = ESPConfig.from_dict({"block_complexity": 6, "candidates": ["ngram"]})
+    proposer = TreeProposer(config)
+    corpus = AnswerCorpus(64)
+    corpus.add([1, 2, 3, 4, 5, 6, 7])
+    histories = np.array([[8, 3, 4, 5], [4, 5, 9, 4]])
+    cand = np.zeros((2, 1, proposer.candidate_width))
+
+    def propose(corpus_tokens):
+        return proposer.propose(histories, np.arange(2), np.zeros(2, np.int64),
+                                np.full(2, 4), histories[:, -1].copy(), cand.astype(np.int64),
+                                cand.astype(np.float32), np.zeros(2, np.bool_), 16,
+                                corpus=corpus_tokens)
+
+    trees = propose(corpus.tokens)
+    # Request 0's chain comes from the cache, request 1's ("4" -> 5 9) from
+    # its own history.
+    assert trees.tokens[0, :3].tolist() == [5, 6, 7]
+    assert trees.sources[0, 1:3].tolist() == [SOURCE_CORPUS] * 2
+    assert trees.tokens[1, :3].tolist() == [4, 5, 9]
+    assert trees.sources[1, 1:3].tolist() == [SOURCE_LOOKUP] * 2
+    assert propose(None).num_nodes.tolist() == [0, 3]
 
 
 @pytest.mark.parametrize("seed", range(20))

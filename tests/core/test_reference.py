@@ -120,8 +120,10 @@ def test_prompt_lookup_equals_plain_greedy(llama):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_hybrid_ngram_only_reproduces_prompt_lookup_steps(llama, seed):
-    """``candidates=["ngram"]`` is prompt lookup: same tokens, same steps,
-    same accepted count at every step."""
+    """``candidates=["ngram"]`` is prompt lookup that prefers the occurrence
+    sharing the longest context. On the tiny model's loops that is also the
+    most recent occurrence, so it reproduces plain prompt lookup: same
+    tokens, same steps, same accepted count at every step."""
     config = ESPConfig(tree=None, block_complexity=22, candidates=("ngram",))
     decoder = ReferenceDecoder(llama, config)
     prompt = _prompt(seed)

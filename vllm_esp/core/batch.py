@@ -43,7 +43,6 @@ from vllm_esp.core.goodput import (
     NUM_SOURCES,
     REACH_EDGES,
     SOURCE_ESP,
-    SOURCE_LOOKUP,
     StepBudget,
     allocate_rows,
 )
@@ -185,7 +184,8 @@ def log_scale(log_scales, source, log_prior):
 
 
 @njit(cache=True)
-def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_log_probs,
+def hybrid_tree_kernel(history, corpus_size, root_token, has_candidates, cand_tokens,
+                       cand_log_probs,
                        vocab_size, block_size, num_mask_tokens, use_esp, use_lookup,
                        esp_log_weight, log_scales, lookup_accept, mask_value,
                        max_chains, capacity, root_alone, out_parents, out_tokens,
@@ -212,16 +212,18 @@ def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_lo
     chain_scores = np.empty((max_chains, budget), np.float32)
     chain_priors = np.empty((max_chains, budget), np.float32)
     chain_lengths = np.empty(max_chains, np.int64)
+    chain_sources = np.empty(max_chains, np.int8)
     num_chains = 0
     if use_lookup and budget > 0:
-        num_chains = lookup_chains_kernel(history, budget, max_chains, LOOKUP_MAX_NGRAM,
-                                          LOOKUP_MIN_NGRAM, lookup_accept, chain_tokens,
-                                          chain_scores, chain_lengths)
+        num_chains = lookup_chains_kernel(history, corpus_size, budget, max_chains,
+                                          LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM, lookup_accept,
+                                          chain_tokens, chain_scores, chain_lengths,
+                                          chain_sources)
         for c in range(num_chains):
             for d in range(chain_lengths[c]):
                 chain_priors[c, d] = chain_scores[c, d]
                 chain_scores[c, d] += np.float32(
-                    log_scale(log_scales, SOURCE_LOOKUP, chain_priors[c, d]))
+                    log_scale(log_scales, chain_sources[c], chain_priors[c, d]))
     first_chain = 0
     parents[0] = -1
     tokens[0] = root_token
@@ -244,7 +246,7 @@ def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_lo
             scores[d + 1] = chain_scores[0, d]
             priors[d + 1] = chain_priors[0, d]
             depths[d + 1] = d + 1
-            sources[d + 1] = 1
+            sources[d + 1] = chain_sources[0]
         count = chain_lengths[0] + 1
         first_chain = 1
     elif root_alone:
@@ -254,7 +256,7 @@ def hybrid_tree_kernel(history, root_token, has_candidates, cand_tokens, cand_lo
     for c in range(first_chain, num_chains):
         count = merge_chain_kernel(parents, tokens, scores, priors, depths, count,
                                    chain_tokens[c], chain_scores[c], chain_priors[c],
-                                   chain_lengths[c], sources, SOURCE_LOOKUP)
+                                   chain_lengths[c], sources, chain_sources[c])
     kept = np.empty(count, np.int64)
     masked = np.zeros(count, np.bool_)
     if use_esp:
@@ -290,7 +292,7 @@ def hybrid_tree(params: HybridParams, history: np.ndarray, root_token: int,
     out_reach = np.empty(capacity, np.float32)
     out_sources = np.empty(capacity, np.int8)
     size = hybrid_tree_kernel(
-        np.asarray(history, np.int64), root_token, has_candidates, cand_tokens,
+        np.asarray(history, np.int64), 0, root_token, has_candidates, cand_tokens,
         cand_log_probs, vocab_size or 0, params.block_size, params.num_mask_tokens,
         params.use_esp, params.use_lookup, params.esp_log_weight,
         np.zeros((NUM_SOURCES, NUM_REACH_BUCKETS)),
@@ -307,7 +309,7 @@ def hybrid_tree(params: HybridParams, history: np.ndarray, root_token: int,
 # ------------------------------------------------------------------- batch
 @njit(cache=True)
 def propose_batch_kernel(mode, histories, history_rows, history_starts, history_ends,
-                         roots, has_candidates, cand_tokens, cand_log_probs, vocab_size,
+                         corpus, roots, has_candidates, cand_tokens, cand_log_probs, vocab_size,
                          widths, node_budget, block_sizes, num_mask_tokens, use_esp,
                          use_lookup, esp_log_weight, log_scales, lookup_accept,
                          mask_value, max_chains, capacity, root_alone,
@@ -315,6 +317,7 @@ def propose_batch_kernel(mode, histories, history_rows, history_starts, history_
                          out_num_nodes, out_gains, out_num_gains, out_reach, out_sources):
     """Next trees of ``roots.shape[0]`` requests; request ``i``'s history
     is ``histories[history_rows[i], history_starts[i]:history_ends[i]]``
+    (prompt lookup also searches ``corpus``, earlier requests' answers)
     and its block has at most ``block_sizes[i]`` rows (hybrid mode; the
     other modes have a fixed shape and give no block where it does not
     fit)."""
@@ -334,12 +337,15 @@ def propose_batch_kernel(mode, histories, history_rows, history_starts, history_
         out_num_gains[i] = 0
         if mode == HYBRID:
             history = histories[history_rows[i], history_starts[i]:history_ends[i]]
+            corpus_size = corpus.shape[0] if use_lookup else 0
+            if corpus_size > 0:
+                history = np.concatenate((corpus, history))
             # Where ESP's placeholder does not fit (near max_model_len), the
             # root alone, with its masks if they fit, so that the next step
             # has candidates.
             root_alone_here = root_alone or (
                 use_esp and placeholder_parents.shape[0] * (k + 1) > block_sizes[i])
-            size = hybrid_tree_kernel(history, roots[i], has_candidates[i],
+            size = hybrid_tree_kernel(history, corpus_size, roots[i], has_candidates[i],
                                       cand_tokens[i], cand_log_probs[i], vocab_size,
                                       block_sizes[i], num_mask_tokens, use_esp,
                                       use_lookup, esp_log_weight, log_scales,
@@ -443,9 +449,12 @@ class TreeProposer:
                 roots: np.ndarray, cand_tokens: np.ndarray, cand_log_probs: np.ndarray,
                 has_candidates: np.ndarray, vocab_size: int,
                 out: TreeBatch | None = None, row_caps: np.ndarray | None = None,
-                budget: StepBudget | None = None) -> TreeBatch:
+                budget: StepBudget | None = None,
+                corpus: np.ndarray | None = None) -> TreeBatch:
         """``row_caps``: at most this many rows per request (``max_model_len``);
-        ``budget``: the step's cost and calibration (``auto`` only)."""
+        ``budget``: the step's cost and calibration (``auto`` only);
+        ``corpus``: earlier requests' answers for prompt lookup
+        (``AnswerCorpus.tokens``)."""
         batch = roots.shape[0]
         if out is None:
             out = TreeBatch.empty(batch, self.max_nodes, self.num_mask_tokens)
@@ -457,7 +466,8 @@ class TreeProposer:
         log_scales = np.zeros((NUM_SOURCES, NUM_REACH_BUCKETS))
         if budget is not None and budget.scales is not None:
             log_scales = np.log(np.maximum(np.asarray(budget.scales, np.float64), 1e-6))
-        args = (histories, history_rows, history_starts, history_ends, roots,
+        corpus = np.asarray(corpus if corpus is not None else (), histories.dtype)
+        args = (histories, history_rows, history_starts, history_ends, corpus, roots,
                 has_candidates, cand_tokens, cand_log_probs, vocab_size, log_scales, out)
         gains, num_gains = self._run(caps, *args)
         if self.auto and budget is not None:
@@ -467,14 +477,14 @@ class TreeProposer:
         return out
 
     def _run(self, block_sizes, histories, history_rows, history_starts, history_ends,
-             roots, has_candidates, cand_tokens, cand_log_probs, vocab_size, log_scales,
+             corpus, roots, has_candidates, cand_tokens, cand_log_probs, vocab_size, log_scales,
              out):
         hybrid = self.hybrid
         batch = roots.shape[0]
         gains = np.zeros((batch, max(hybrid.block_size - 1, 1)), np.float64)
         num_gains = np.zeros(batch, np.int64)
         propose_batch_kernel(
-            self.mode, histories, history_rows, history_starts, history_ends, roots,
+            self.mode, histories, history_rows, history_starts, history_ends, corpus, roots,
             has_candidates, cand_tokens, cand_log_probs, vocab_size, self.widths,
             self.node_budget, block_sizes, hybrid.num_mask_tokens,
             hybrid.use_esp, hybrid.use_lookup,

@@ -55,12 +55,14 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["StepCostModel", "AcceptanceCalibration", "StepBudget", "allocate_rows",
-           "SOURCE_ESP", "SOURCE_LOOKUP", "NUM_SOURCES", "REACH_EDGES",
+           "SOURCE_ESP", "SOURCE_LOOKUP", "SOURCE_CORPUS", "NUM_SOURCES", "REACH_EDGES",
            "NUM_REACH_BUCKETS", "reach_buckets", "reach_band_labels"]
 
-# Candidate sources (node tags written by the hybrid kernel).
-SOURCE_ESP, SOURCE_LOOKUP = 0, 1
-NUM_SOURCES = 2
+# Candidate sources (node tags written by the hybrid kernel): ESP's mask
+# candidates, lookup in the request's own history, lookup in earlier
+# requests' answers (core.hybrid.AnswerCorpus).
+SOURCE_ESP, SOURCE_LOOKUP, SOURCE_CORPUS = 0, 1, 2
+NUM_SOURCES = 3
 # Calibration cells per source: bands of a node's prior estimated reach
 # (its chance of being accepted, before calibration).
 # The compiled proposal kernels bucket with the same array and call.

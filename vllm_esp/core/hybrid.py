@@ -62,6 +62,7 @@ scores only decide which candidates get the budget.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Sequence
 
@@ -69,6 +70,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from vllm_esp.core.goodput import SOURCE_CORPUS, SOURCE_LOOKUP
 from vllm_esp.core.proposal import (
     DraftTree,
     ScoredCandidates,
@@ -76,6 +78,7 @@ from vllm_esp.core.proposal import (
 )
 
 __all__ = [
+    "AnswerCorpus",
     "LOOKUP_MAX_CONTEXT",
     "LOOKUP_MAX_NGRAM",
     "LOOKUP_MIN_NGRAM",
@@ -95,16 +98,19 @@ LOOKUP_MIN_NGRAM = 1
 # occurrence shares m tokens of context with the history's end (accepted
 # chain tokens lengthen it; m >= len - 1 uses the last entry, which also caps
 # how far back contexts are compared). Fitted with
-# benchmarks/calibrate_hybrid.py on SmolLM2-135M's greedy answers to
-# Spec-Bench questions 1-4 of each category (52 prompts, 128 tokens; the
-# benchmarks' tables use questions 5-6), made non-decreasing by pooling
-# neighbours. With 'auto' blocks they are rescaled online from the engine's
+# benchmarks/calibrate_hybrid.py's lookup_rates on SmolLM2-135M's greedy
+# answers (vLLM, fp32) to Spec-Bench questions 1-4 of each category (52
+# prompts, 128 tokens; the benchmarks' tables use questions 5-6), made
+# non-decreasing by pooling neighbours. With 'auto' blocks they are rescaled online from the engine's
 # verification outcomes (core.goodput). Only the ranking of candidates
 # depends on these numbers, never the output.
 LOOKUP_ACCEPT = (0.0, 0.23, 0.49, 0.655, 0.66, 0.77, 0.82, 0.82, 0.84, 0.84, 0.84,
                  0.84, 0.9, 0.9, 0.92, 0.92, 0.96)
 # How many tokens of context lookup compares at most (the table's last entry).
 LOOKUP_MAX_CONTEXT = len(LOOKUP_ACCEPT) - 1
+# Occurrences whose continuations count for a chain's agreement, at most (the
+# longest contexts first): a frequent 1-gram can occur thousands of times.
+LOOKUP_MAX_PEERS = 64
 # Mask probabilities overstate acceptance: a level-1 candidate with mask
 # probability p was the next token about 0.35 p of the time (same script).
 ESP_WEIGHT = 0.35
@@ -167,7 +173,10 @@ def lookup_occurrences_kernel(history, max_ngram, min_ngram, max_context, starts
     for i in range(count):
         end = found[i]
         length = match_length
+        # Separators (-1, between the answers of an answer corpus) end a
+        # context on either side.
         while (length < max_context and end - length - 1 >= 0
+               and history[size - length - 1] >= 0
                and history[end - length - 1] == history[size - length - 1]):
             length += 1
         lengths[i] = length
@@ -180,21 +189,28 @@ def lookup_occurrences_kernel(history, max_ngram, min_ngram, max_context, starts
 
 
 @njit(cache=True)
-def lookup_chains_kernel(history, node_budget, max_chains, max_ngram, min_ngram,
-                         lookup_accept, chain_tokens, chain_scores, chain_lengths):
+def lookup_chains_kernel(history, corpus_size, node_budget, max_chains, max_ngram,
+                         min_ngram, lookup_accept, chain_tokens, chain_scores,
+                         chain_lengths, chain_sources):
     """Prompt-lookup chains into ``chain_tokens/chain_scores`` (rows of
     ``node_budget``; the root excluded): the continuations of the longest
     matching n-gram's occurrences, the one sharing the longest context first
     (``lookup_occurrences_kernel``), one per distinct first token, at most
     ``max_chains``. Node ``d`` of a chain whose occurrence shares ``m``
     tokens of context scores ``sum_{j <= d} log q(m + j - 1) + log f_d``
-    (see the module docstring). Returns the number of chains."""
+    (see the module docstring). Returns the number of chains.
+
+    ``history`` may start with an answer corpus (``corpus_size`` tokens,
+    earlier requests' answers each followed by a -1 separator): chains stop
+    at a separator, and ``chain_sources`` says where each chain came from
+    (``SOURCE_CORPUS`` or ``SOURCE_LOOKUP``)."""
     size = history.shape[0]
     table_size = lookup_accept.shape[0]
     starts = np.empty(max(size, 1), np.int64)
     contexts = np.empty(max(size, 1), np.int64)
     num_matches = lookup_occurrences_kernel(history, max_ngram, min_ngram,
                                             table_size - 1, starts, contexts)
+    agrees = np.empty(min(num_matches, LOOKUP_MAX_PEERS), np.bool_)
     num_chains = 0
     for occurrence in range(num_matches):
         if num_chains == max_chains:
@@ -202,6 +218,12 @@ def lookup_chains_kernel(history, node_budget, max_chains, max_ngram, min_ngram,
         start = starts[occurrence]
         context = contexts[occurrence]
         length = min(node_budget, size - start)
+        for d in range(length):
+            if history[start + d] < 0:
+                length = d
+                break
+        if length == 0:
+            continue
         first = history[start]
         seen = False
         for c in range(num_chains):
@@ -210,28 +232,33 @@ def lookup_chains_kernel(history, node_budget, max_chains, max_ngram, min_ngram,
         if seen:
             continue
         # Agreement is counted among the occurrences that share at least
-        # this chain's context: the others are weaker evidence.
+        # this chain's context (the others are weaker evidence), the
+        # LOOKUP_MAX_PEERS best of them.
         peers = 0
-        while peers < num_matches and contexts[peers] >= context:
+        while (peers < num_matches and peers < LOOKUP_MAX_PEERS
+               and contexts[peers] >= context):
             peers += 1
+        # Past the cap, the chain's own occurrence is counted on top.
+        outside = 1 if occurrence >= peers else 0
+        for other in range(peers):
+            agrees[other] = True
         log_accept = 0.0
         for d in range(length):
             # Share of those occurrences whose continuation agrees up to d.
             agree = 0
             for other in range(peers):
-                same = True
-                for j in range(d + 1):
-                    position = starts[other] + j
-                    if position >= size or history[position] != history[start + j]:
-                        same = False
-                        break
-                if same:
-                    agree += 1
+                if agrees[other]:
+                    position = starts[other] + d
+                    agrees[other] = (position < size
+                                     and history[position] == history[start + d])
+                    if agrees[other]:
+                        agree += 1
             log_accept += math.log(lookup_accept[min(context + d, table_size - 1)])
             chain_tokens[num_chains, d] = history[start + d]
             chain_scores[num_chains, d] = np.float32(
-                log_accept + math.log(agree / peers))
+                log_accept + math.log((agree + outside) / (peers + outside)))
         chain_lengths[num_chains] = length
+        chain_sources[num_chains] = SOURCE_CORPUS if start < corpus_size else SOURCE_LOOKUP
         num_chains += 1
     return num_chains
 
@@ -339,6 +366,41 @@ def allocate_kernel(parents, scores, depths, count, block_size, num_mask_tokens,
     return num_kept
 
 
+# ------------------------------------------------------------ answer corpus
+class AnswerCorpus:
+    """Earlier requests' answers, for prompt lookup across requests.
+
+    Answers to similar prompts repeat each other's phrases (a greeting, a
+    code idiom, a list's format), which the request's own history cannot
+    know yet; vLLM's ``suffix`` method keeps a global tree of earlier
+    answers for the same reason. ``tokens`` holds the most recent answers,
+    each followed by a -1 separator, oldest first, at most ``max_tokens``
+    in all (an answer longer than that keeps its end). Lookup searches it
+    before the request's own history (``lookup_chains_kernel``); the own
+    history wins ties, being more recent.
+
+    Example, ``max_tokens=8``: ``add([5, 6, 7])``, then ``add([8, 9])``,
+    gives ``[5, 6, 7, -1, 8, 9, -1]``; ``add([1, 2, 3])`` then drops the
+    oldest answer: ``[8, 9, -1, 1, 2, 3, -1]``.
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max(int(max_tokens), 0)
+        self._answers: collections.deque[np.ndarray] = collections.deque()
+        self._size = 0
+        self.tokens = np.zeros(0, np.int64)
+
+    def add(self, token_ids: Sequence[int]) -> None:
+        if self.max_tokens < 2 or len(token_ids) == 0:
+            return
+        answer = np.asarray(token_ids[-(self.max_tokens - 1):], np.int64)
+        self._answers.append(np.append(answer, -1))
+        self._size += answer.size + 1
+        while self._size > self.max_tokens:
+            self._size -= self._answers.popleft().size
+        self.tokens = np.concatenate(self._answers)
+
+
 # ------------------------------------------------------------- one request
 def _lookup_accept(table: Sequence[float]) -> np.ndarray:
     return np.asarray(table, dtype=np.float64)
@@ -376,18 +438,27 @@ def lookup_chains(token_ids: np.ndarray, node_budget: int, max_chains: int = 1,
                   max_ngram: int = LOOKUP_MAX_NGRAM,
                   min_ngram: int = LOOKUP_MIN_NGRAM,
                   lookup_accept: Sequence[float] = LOOKUP_ACCEPT,
+                  corpus: np.ndarray | None = None,
                   ) -> list[ScoredCandidates]:
     """Prompt-lookup chains as scored candidates (each root first): the
-    continuations of the longest matching n-gram's occurrences, most recent
-    first, one per distinct first token, at most ``max_chains``."""
+    continuations of the longest matching n-gram's occurrences, the longest
+    shared context first, one per distinct first token, at most
+    ``max_chains``. ``corpus``: an answer corpus (``AnswerCorpus.tokens``)
+    searched before the history."""
     history = np.asarray(token_ids, dtype=np.int64)
+    corpus_size = 0
+    if corpus is not None and len(corpus):
+        corpus_size = len(corpus)
+        history = np.concatenate([np.asarray(corpus, np.int64), history])
     budget = int(node_budget)
     chain_tokens = np.empty((max_chains, budget), np.int64)
     chain_scores = np.empty((max_chains, budget), np.float32)
     chain_lengths = np.empty(max_chains, np.int64)
-    num_chains = lookup_chains_kernel(history, budget, max_chains, max_ngram, min_ngram,
-                                      _lookup_accept(lookup_accept), chain_tokens,
-                                      chain_scores, chain_lengths)
+    chain_sources = np.empty(max_chains, np.int8)
+    num_chains = lookup_chains_kernel(history, corpus_size, budget, max_chains, max_ngram,
+                                      min_ngram, _lookup_accept(lookup_accept),
+                                      chain_tokens, chain_scores, chain_lengths,
+                                      chain_sources)
     root = int(history[-1])
     chains = []
     for c in range(num_chains):
