@@ -27,8 +27,9 @@ class Method:
     # engine); None: nothing beyond vLLM.
     requires_module: str | None = None
     install_hint: str = ""
-    # Keeps state across requests (suffix decoding caches earlier answers):
-    # every pass then gets a fresh engine so that it only sees its own pass.
+    # Keeps state across requests (suffix decoding and ESP's prompt lookup
+    # cache earlier answers): every pass then gets a fresh engine so that it
+    # only sees its own pass.
     cross_request_state: bool = False
     tags: tuple[str, ...] = field(default=())
 
@@ -96,7 +97,7 @@ _ALL = [
            cross_request_state=True),
     Method("esp", {"method": "esp"},
            "the plugin's default: {\"method\": \"esp\"} (auto block "
-           "complexity, ESP + prompt-lookup candidates)"),
+           "complexity, ESP + prompt-lookup candidates)", cross_request_state=True),
     Method("esp-4", _esp(tree=[4]), "ESP alone, static tree [4] (k=1, block 10; the paper's method at the CPU default size)"),
     Method("esp-9", _esp(tree=[9]), "ESP static tree [9] (k=1, block 20)"),
     Method("esp-29", _esp(tree=[29]), "ESP static tree [29] (k=1, block 60; the GPU default)"),
@@ -106,12 +107,14 @@ _ALL = [
     Method("esp-bc60", _esp(block_complexity=60), "ESP dynamic tree, block complexity 60"),
     Method("hybrid-bc10", _esp(block_complexity=10, candidates=["esp", "ngram"]),
            "ESP + prompt-lookup candidates in one tree, block complexity 10 "
-           "(same block as esp-4; what {\"method\": \"esp\"} does on CPU)"),
+           "(same block as esp-4; what {\"method\": \"esp\"} does on CPU)",
+           cross_request_state=True),
     Method("hybrid-bc30", _esp(block_complexity=30, candidates=["esp", "ngram"]),
-           "ESP + prompt-lookup candidates in one tree, block complexity 30"),
+           "ESP + prompt-lookup candidates in one tree, block complexity 30",
+           cross_request_state=True),
     Method("lookup-bc30", _esp(block_complexity=30, candidates=["ngram"]),
            "the hybrid's prompt-lookup source alone (chains of up to 14 "
-           "tokens, no masks), for comparison"),
+           "tokens, no masks), for comparison", cross_request_state=True),
 ]
 
 METHODS: dict[str, Method] = {m.name: m for m in _ALL}

@@ -370,7 +370,11 @@ def test_esp_method_configs_are_valid():
         config = m.speculative_config
         if config and config["method"] == "esp":
             options = {k: v for k, v in config.items() if k != "method"}
-            ESPConfig.from_dict(options)  # raises on a bad tree / budget
+            esp = ESPConfig.from_dict(options)  # raises on a bad tree / budget
+            # A method whose lookup caches earlier answers must get a fresh
+            # engine per pass, or a pass would draft from the answers of the
+            # same prompts in the pass before.
+            assert m.cross_request_state == (esp.lookup_cache_tokens > 0), m.name
 
 
 def test_serve_command_and_request_payload(monkeypatch):

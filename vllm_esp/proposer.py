@@ -140,6 +140,11 @@ class AutoStats:
         self._reset()
 
 
+def has_seed(request) -> bool:
+    params = getattr(request, "sampling_params", None)
+    return params is not None and getattr(params, "seed", None) is not None
+
+
 def has_structured_output(request) -> bool:
     params = getattr(request, "sampling_params", None)
     return params is not None and getattr(params, "structured_outputs", None) is not None
@@ -185,6 +190,10 @@ class ESPProposer:
         # for good).
         self.structured = np.zeros(slots, np.bool_)
         self.no_block = np.zeros(slots, np.bool_)
+        # Seeded requests draft from their own history only: vLLM's rejection
+        # sampler draws per draft token, so drafts from other requests'
+        # answers would change a seeded request's tokens from run to run.
+        self.seeded = np.zeros(slots, np.bool_)
         # 'auto' block complexity: the step-cost model (set by the runner
         # from its start-up profile) and the sources' calibration.
         self.auto = config.auto
@@ -236,6 +245,7 @@ class ESPProposer:
                 self.num_folded[slot] = 0
                 request = self.runner.requests[req_id]
                 self.structured[slot] = has_structured_output(request)
+                self.seeded[slot] = has_seed(request)
                 self.no_block[slot] = self.structured[slot]
                 # A prompt given as embeddings has no token ids to look up.
                 self.history_starts[slot] = (
@@ -248,7 +258,7 @@ class ESPProposer:
         old = self.max_slots
         self.max_slots = new = 2 * old
         for name in ("cand_tokens", "cand_log_probs", "has_candidates", "initialized",
-                     "num_folded", "history_starts", "structured", "no_block"):
+                     "num_folded", "history_starts", "structured", "no_block", "seeded"):
             array = getattr(self, name)
             grown = np.zeros((new,) + array.shape[1:], array.dtype)
             grown[:old] = array
@@ -352,7 +362,8 @@ class ESPProposer:
         trees = self._propose_trees(
             indices, self.history_starts[active_slots], ends,
             self.cand_tokens[active_slots], self.cand_log_probs[active_slots],
-            self.has_candidates[active_slots], num_requests=len(req_ids))
+            self.has_candidates[active_slots], num_requests=len(req_ids),
+            corpus_rows=~self.seeded[active_slots])
         pending = self.pending
         width = trees.parents.shape[1]
         pending.parents[active_slots, :width] = trees.parents
@@ -379,8 +390,10 @@ class ESPProposer:
     def _propose_trees(self, rows: np.ndarray, history_starts: np.ndarray,
                        ends: np.ndarray, cand_tokens: np.ndarray,
                        cand_log_probs: np.ndarray, has_candidates: np.ndarray,
-                       num_requests: int) -> TreeBatch:
-        """Trees for the input batch's ``rows`` (histories end at ``ends``)."""
+                       num_requests: int, corpus_rows: np.ndarray | None = None
+                       ) -> TreeBatch:
+        """Trees for the input batch's ``rows`` (histories end at ``ends``);
+        lookup searches earlier answers too where ``corpus_rows``."""
         token_ids = self.runner.input_batch.token_ids_cpu
         # Near max_model_len a request's block shrinks to what still fits
         # (the scheduler would cut it), instead of speculation stopping for
@@ -391,7 +404,7 @@ class ESPProposer:
             cand_tokens, cand_log_probs, has_candidates,
             self.runner.model_config.get_vocab_size(),
             row_caps=self.max_model_len - ends, budget=self._step_budget(num_requests),
-            corpus=self.answer_cache.tokens)
+            corpus=self.answer_cache.tokens, corpus_rows=corpus_rows)
 
     def _step_budget(self, num_requests: int) -> StepBudget | None:
         if not self.auto or self.cost_model is None:

@@ -286,11 +286,11 @@ def test_chains_from_earlier_answers_carry_their_own_source_tag():
     histories = np.array([[8, 3, 4, 5], [4, 5, 9, 4]])
     cand = np.zeros((2, 1, proposer.candidate_width))
 
-    def propose(corpus_tokens):
+    def propose(corpus_tokens, corpus_rows=None):
         return proposer.propose(histories, np.arange(2), np.zeros(2, np.int64),
                                 np.full(2, 4), histories[:, -1].copy(), cand.astype(np.int64),
                                 cand.astype(np.float32), np.zeros(2, np.bool_), 16,
-                                corpus=corpus_tokens)
+                                corpus=corpus_tokens, corpus_rows=corpus_rows)
 
     trees = propose(corpus.tokens)
     # Request 0's chain comes from the cache, request 1's ("4" -> 5 9) from
@@ -300,6 +300,8 @@ def test_chains_from_earlier_answers_carry_their_own_source_tag():
     assert trees.tokens[1, :3].tolist() == [4, 5, 9]
     assert trees.sources[1, 1:3].tolist() == [SOURCE_LOOKUP] * 2
     assert propose(None).num_nodes.tolist() == [0, 3]
+    # Requests left out of the cache (seeded ones) see only their own history.
+    assert propose(corpus.tokens, np.array([False, True])).num_nodes.tolist() == [0, 3]
 
 
 @pytest.mark.parametrize("seed", range(20))
