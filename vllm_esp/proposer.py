@@ -140,14 +140,11 @@ class AutoStats:
         self._reset()
 
 
-def has_seed(request) -> bool:
+def has_sampling_param(request, name: str) -> bool:
+    """Whether the request's sampling params set ``name`` (pooling
+    requests have none)."""
     params = getattr(request, "sampling_params", None)
-    return params is not None and getattr(params, "seed", None) is not None
-
-
-def has_structured_output(request) -> bool:
-    params = getattr(request, "sampling_params", None)
-    return params is not None and getattr(params, "structured_outputs", None) is not None
+    return params is not None and getattr(params, name, None) is not None
 
 
 class ESPProposer:
@@ -244,8 +241,8 @@ class ESPProposer:
                 self.pending.num_nodes[slot] = 0
                 self.num_folded[slot] = 0
                 request = self.runner.requests[req_id]
-                self.structured[slot] = has_structured_output(request)
-                self.seeded[slot] = has_seed(request)
+                self.structured[slot] = has_sampling_param(request, "structured_outputs")
+                self.seeded[slot] = has_sampling_param(request, "seed")
                 self.no_block[slot] = self.structured[slot]
                 # A prompt given as embeddings has no token ids to look up.
                 self.history_starts[slot] = (
@@ -294,9 +291,8 @@ class ESPProposer:
         """Forget finished requests (their answers join the lookup cache)."""
         requests = self.runner.requests if self.runner is not None else {}
         for req_id in req_ids:
-            request = requests.get(req_id)
-            if request is not None and self.answer_cache.max_tokens:
-                self.answer_cache.add(request.output_token_ids)
+            if req_id in requests:
+                self.answer_cache.add(requests[req_id].output_token_ids)
             slot = self.slot_of.pop(req_id, None)
             if slot is not None:
                 self.free_slots.append(slot)
