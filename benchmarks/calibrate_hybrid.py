@@ -59,16 +59,6 @@ def lookup_rates(samples, max_context: int = 16):
     return tries, hits, first_tries, first_hits
 
 
-def _spec_bench_or_exit(load_spec_bench, dataset):
-    """Spec-Bench before any model loads, or a clear message and exit."""
-    from vllm_esp_dev.data import SpecBenchNotFound
-
-    try:
-        return load_spec_bench(dataset)
-    except SpecBenchNotFound as missing:
-        raise SystemExit(f"error: {missing}") from None
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -78,16 +68,20 @@ def main(argv=None) -> int:
     parser.add_argument("--esp-per-category", type=int, default=1)
     args = parser.parse_args(argv)
 
+    # Before the slow imports: a missing Spec-Bench fails at once.
+    from vllm_esp_dev.data import load_questions_or_exit, select_questions
+
+    questions = load_questions_or_exit(args.dataset or "spec-bench")
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_esp.config import ESPConfig
     from vllm_esp.core.sources import ESPMaskSource
     from vllm_esp.reference import ReferenceDecoder
-    from vllm_esp_dev.data import chat_prompt_ids, load_spec_bench, select_questions
+    from vllm_esp_dev.data import chat_prompt_ids
     from vllm_esp_dev.models import MODELS, model_path
 
-    questions = _spec_bench_or_exit(load_spec_bench, args.dataset)
     torch.set_num_threads(2)
     path = str(model_path(args.model)) if args.model in MODELS else args.model
     tokenizer = AutoTokenizer.from_pretrained(path)

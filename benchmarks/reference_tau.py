@@ -32,16 +32,6 @@ LOOKUP = {"prompt lookup (n<=3, 3 drafts)": dict(max_ngram=3, num_draft_tokens=3
           "prompt lookup (n<=3, 10 drafts)": dict(max_ngram=3, num_draft_tokens=10)}
 
 
-def _spec_bench_or_exit(load_spec_bench, dataset):
-    """Spec-Bench before any model loads, or a clear message and exit."""
-    from vllm_esp_dev.data import SpecBenchNotFound
-
-    try:
-        return load_spec_bench(dataset)
-    except SpecBenchNotFound as missing:
-        raise SystemExit(f"error: {missing}") from None
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -55,16 +45,20 @@ def main(argv=None) -> int:
                         f"{list(CONFIGS) + list(LOOKUP)})")
     args = parser.parse_args(argv)
 
+    # Before the slow imports: a missing Spec-Bench fails at once.
+    from vllm_esp_dev.data import load_questions_or_exit, select_questions
+
+    questions = select_questions(load_questions_or_exit(args.dataset or "spec-bench"),
+                                 args.per_category)
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_esp.config import ESPConfig
     from vllm_esp.reference import ReferenceDecoder
-    from vllm_esp_dev.data import chat_prompt_ids, load_spec_bench, select_questions
+    from vllm_esp_dev.data import chat_prompt_ids
     from vllm_esp_dev.models import MODELS, model_path
 
-    questions = select_questions(_spec_bench_or_exit(load_spec_bench, args.dataset),
-                                 args.per_category)
     torch.set_num_threads(args.threads)
     path = str(model_path(args.model)) if args.model in MODELS else args.model
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -190,10 +190,7 @@ def run_metadata(argv: list[str]) -> dict[str, Any]:
 def load_questions(args) -> tuple[list[dict], str]:
     from vllm_esp_dev import data
 
-    try:
-        questions = data.load_questions(args.dataset or "spec-bench")
-    except data.SpecBenchNotFound as missing:
-        raise SystemExit(f"error: {missing}") from None
+    questions = data.load_questions_or_exit(args.dataset or "spec-bench")
     if args.categories:
         known = {q["category"] for q in questions}
         unknown = sorted(set(args.categories) - known)

@@ -571,3 +571,27 @@ def test_offline_runs_every_method_continuously_at_each_batch_size(monkeypatch):
         assert all(engine.closed for engine in engines)
         assert [(p.level, len(p.records), p.seconds) for p in passes] == [
             (1, 5, 1.5), (4, 5, 1.5), (8, 5, 1.5)]
+
+
+@pytest.mark.parametrize("module", ["spec_bench", "reference_tau", "calibrate_hybrid"])
+def test_missing_spec_bench_stops_at_once_with_where_to_get_it(module, tmp_path,
+                                                               monkeypatch):
+    """Every command that reads Spec-Bench stops when the file is missing
+    and says how to give it."""
+    import importlib
+
+    # spec_bench.main sets these and a SIGTERM handler for its own process;
+    # setenv first, so that monkeypatch restores them even when unset now.
+    for name in ("VLLM_LOGGING_LEVEL", "TOKENIZERS_PARALLELISM"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    benchmark = importlib.import_module(f"benchmarks.{module}")
+    if hasattr(benchmark, "exit_on_sigterm"):
+        monkeypatch.setattr(benchmark, "exit_on_sigterm", lambda: None)
+    missing = tmp_path / "question.jsonl"
+    main = benchmark.main
+    with pytest.raises(SystemExit) as stop:
+        main(["--dataset", str(missing)])
+    message = str(stop.value)
+    assert message.startswith("error: Spec-Bench questions not found at " + str(missing))
+    assert "--dataset PATH" in message and "VLLM_ESP_SPEC_BENCH" in message

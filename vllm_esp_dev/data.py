@@ -65,6 +65,16 @@ def load_questions(dataset: str | None) -> list[dict]:
     return load_spec_bench(dataset)
 
 
+def load_questions_or_exit(dataset: str | None) -> list[dict]:
+    """``load_questions`` for a command line: a missing Spec-Bench ends the
+    command with the message that says where to put it (before any model
+    loads)."""
+    try:
+        return load_questions(dataset)
+    except SpecBenchNotFound as missing:
+        raise SystemExit(f"error: {missing}") from None
+
+
 def categories(questions: list[dict]) -> list[str]:
     seen: dict[str, None] = {}
     for question in questions:
