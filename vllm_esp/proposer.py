@@ -132,7 +132,8 @@ class AutoStats:
             self.block_rows / max(self.num_blocks, 1),
             self.accepted / max(self.num_blocks, 1),
             "" if cost is None else
-            f"; step cost {cost.fixed * 1e3:.1f} ms + {cost.per_row * 1e3:.2f} ms/row",
+            f"; step cost {cost.fixed * 1e3:.1f} ms + {cost.per_request * 1e3:.2f} ms/request"
+            f" + {cost.per_row * 1e3:.2f} ms/row",
             "/".join(reach_band_labels()),
             "/".join(f"{v:.2f}" for v in scales[SOURCE_ESP]),
             "/".join(f"{v:.2f}" for v in scales[SOURCE_LOOKUP]),
@@ -405,7 +406,8 @@ class ESPProposer:
     def _step_budget(self, num_requests: int) -> StepBudget | None:
         if not self.auto or self.cost_model is None:
             return None
-        return StepBudget(self.cost_model.fixed, self.cost_model.per_row,
+        # The step's requests are given; only its rows are chosen.
+        return StepBudget(self.cost_model.seconds(0, num_requests), self.cost_model.per_row,
                           base_rows=num_requests, max_total_rows=self.max_step_tokens,
                           scales=self.calibration.scales)
 
@@ -428,10 +430,11 @@ class ESPProposer:
                                  on_path[drafted])
         self.stats.blocks(trees.block_sizes(), accepted)
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """One decode step's measured time, for the cost model."""
+    def observe_step(self, rows: int, seconds: float, requests: int) -> None:
+        """One decode step's measured time (``rows`` in its forward, of
+        ``requests`` requests), for the cost model."""
         if self.cost_model is not None:
-            self.cost_model.observe(rows, seconds)
+            self.cost_model.observe(rows, seconds, requests)
         self.stats.step(rows, self)
 
     def _isolate_failure(self, req_ids, slots, active) -> None:

@@ -104,7 +104,7 @@ class ESPModelRunnerMixin:
         self._esp_step: ESPStep | None = None
         self._esp_logit_starts: np.ndarray | None = None
         self._esp_step_started: float | None = None
-        self._esp_step_rows = 0
+        self._esp_step_rows = self._esp_step_requests = 0
         self._esp_tensor_parallel = self.parallel_config.tensor_parallel_size > 1
         self._esp_decode_request_steps = self._esp_decode_rows = 0
 
@@ -304,6 +304,7 @@ class ESPModelRunnerMixin:
             # cost model: their rows are blocks and roots.
             self._esp_step_started = time.perf_counter()
             self._esp_step_rows = rows
+            self._esp_step_requests = len(scheduler_output.num_scheduled_tokens)
         try:
             output = super().execute_model(scheduler_output, intermediate_tensors)
         finally:
@@ -318,7 +319,8 @@ class ESPModelRunnerMixin:
         output = super().sample_tokens(grammar_output)
         started, self._esp_step_started = self._esp_step_started, None
         if started is not None:
-            self.drafter.observe_step(self._esp_step_rows, time.perf_counter() - started)
+            self.drafter.observe_step(self._esp_step_rows, time.perf_counter() - started,
+                                      self._esp_step_requests)
         return output
 
     # ---------------------------------------------------------------- verify

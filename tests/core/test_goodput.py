@@ -167,6 +167,45 @@ def test_cost_model_learns_a_steeper_slope_from_a_narrow_range_of_rows():
     assert model.seconds(24) == pytest.approx(0.063 + 0.0021 * 24, rel=0.05)
 
 
+def _batch_pass(rng, fixed=0.060, per_request=0.0015, per_row=0.0021):
+    """A b16 pass's decode steps: 16 requests for 90 steps, then the tail
+    drains to 1; each request drafts 0 to 2 rows. Times from ``fixed +
+    per_request * B + per_row * R`` with 3% noise (the shape of the b16
+    step trace in docs/results.md, "Cost per request")."""
+    requests = np.concatenate([np.full(90, 16), np.repeat(np.arange(15, 0, -1), 6)])
+    for count in requests:
+        rows = int(count + rng.integers(0, 2 * count + 1))
+        seconds = (fixed + per_request * count + per_row * rows) * rng.uniform(0.97, 1.03)
+        yield rows, seconds, int(count)
+
+
+def test_cost_model_separates_requests_from_rows():
+    """The allocation chooses rows, not requests: a row's price must not
+    carry the cost of the requests that a pass's changing batch adds."""
+    profile_rows = np.array([1, 8, 32, 64, 128])
+    model = StepCostModel.fit(profile_rows, 0.058 + 0.0015 * profile_rows)
+    rows_only = StepCostModel.fit(profile_rows, 0.058 + 0.0015 * profile_rows)
+    for rows, seconds, requests in _batch_pass(np.random.default_rng(7)):
+        model.observe(rows, seconds, requests)
+        rows_only.observe(rows, seconds)
+    assert model.per_row == pytest.approx(0.0021, rel=0.1)
+    assert model.per_request == pytest.approx(0.0015, rel=0.4)
+    assert model.seconds(24, 16) == pytest.approx(0.060 + 0.0015 * 16 + 0.0021 * 24, rel=0.03)
+    # Without the requests, their cost lands on the rows.
+    assert rows_only.per_row > 1.25 * 0.0021
+
+
+def test_cost_per_request_stays_zero_when_the_batch_never_changes():
+    """At batch 1 a request's cost cannot be told from the fixed cost."""
+    model = StepCostModel(fixed=0.05, per_row=0.001)
+    rng = np.random.default_rng(8)
+    for _ in range(300):
+        rows = int(rng.integers(2, 20))
+        model.observe(rows, (0.068 + 0.0021 * rows) * rng.uniform(0.97, 1.03), 1)
+    assert model.per_request < 1e-3 * model.fixed
+    assert model.seconds(10, 1) == pytest.approx(0.068 + 0.021, rel=0.03)
+
+
 def test_cost_model_fit_of_a_profile():
     rows = np.array([1, 8, 32, 64, 128])
     model = StepCostModel.fit(rows, 0.03 + 0.0005 * rows)

@@ -13,9 +13,10 @@ hardware-aware tree size):
   of the next step's ESP candidates it seeds. A request's gains are
   non-increasing along its ranking, so any prefix is a tree (ancestors
   first) and the first ``n`` rows are the best ``n``.
-* **Cost.** :class:`StepCostModel`: step time ``t(R) = fixed + per_row * R``
-  for ``R`` rows (tokens) in the forward, from a start-up profile and
-  corrected online from measured step times.
+* **Cost.** :class:`StepCostModel`: step time ``t(R, B) = fixed +
+  per_request * B + per_row * R`` for ``R`` rows (tokens) in the forward
+  and ``B`` requests, from a start-up profile and corrected online from
+  measured step times.
 * **Allocation.** :func:`allocate_rows`: every request keeps its root row
   (it emits one token in any case); extra rows are taken in order of gain
   across the batch, and the allocation stops at the count that maximises
@@ -135,12 +136,15 @@ def allocate_rows(gains: np.ndarray, num_gains: np.ndarray, base_rows: int,
 
 
 class StepCostModel:
-    """``t(R) = fixed + per_row * R``: seconds of a step with ``R`` rows.
+    """``t(R, B) = fixed + per_request * B + per_row * R``: seconds of a
+    step with ``R`` rows (tokens) in its forward, of which ``B`` are
+    requests (their roots).
 
-    Least squares over the measured ``(R, t)`` with exponential forgetting
-    (recent steps weigh more: the context grows, the machine's load
-    changes), started from a prior fit (the start-up profile) that counts
-    as ``prior_weight`` observations at 1 and ``2 * prior_rows`` rows.
+    Least squares over the measured ``(R, B, t)`` with exponential
+    forgetting (recent steps weigh more: the context grows, the machine's
+    load changes), started from a prior fit (the start-up profile) that
+    counts as ``prior_weight`` observations at 1 and ``2 * prior_rows``
+    rows, of one request.
 
     The prior's points stay close together so that they pin the level and
     only weakly the slope. A real step's cost per row is above the
@@ -150,39 +154,56 @@ class StepCostModel:
     the profile's whole range (1 to 128 rows) its leverage held the slope
     at 1.7 ms after 200 steps; the allocation then bought rows that did not
     pay (docs/results.md, "The cost model's slope").
+
+    The allocation only chooses rows; a step's requests are given. But a
+    request costs more than a draft row (its sampling, its own attention
+    over its context), and in a pass the number of requests changes (a
+    batch fills, its tail drains). A fit on rows alone charged that to the
+    rows: at 16 requests it gave 2.5 to 2.9 ms per row where a draft row
+    added 2.1 ms (docs/results.md, "Cost per request"). ``per_request`` is
+    held at zero by a small ridge that is not forgotten, so that it stays
+    zero where the number of requests never changes (batch 1).
     """
 
     def __init__(self, fixed: float, per_row: float, prior_weight: float = 20.0,
-                 forgetting: float = 0.99, prior_rows: float = 8.0) -> None:
+                 forgetting: float = 0.99, prior_rows: float = 8.0,
+                 request_ridge: float = 1.0) -> None:
         self.forgetting = forgetting
         self.prior = (fixed, per_row)
-        # Sufficient statistics of weighted least squares: sum w, sum w R,
-        # sum w R^2, sum w t, sum w R t.
-        self._stats = np.zeros(5)
+        # Weighted least squares on the features (1, R, B): the normal
+        # equations' Gram matrix and moment vector.
+        self._gram = np.zeros((3, 3))
+        self._moment = np.zeros(3)
         for rows in (1.0, 2.0 * prior_rows):
-            self._add(rows, fixed + per_row * rows, prior_weight / 2)
-        self.fixed, self.per_row = fixed, per_row
+            self._add(rows, 1.0, fixed + per_row * rows, prior_weight / 2)
+        self._ridge = np.diag([0.0, 0.0, request_ridge])
+        self.fixed, self.per_row, self.per_request = fixed, per_row, 0.0
 
-    def _add(self, rows: float, seconds: float, weight: float) -> None:
-        self._stats += weight * np.array([1.0, rows, rows * rows, seconds, rows * seconds])
+    def _add(self, rows: float, requests: float, seconds: float, weight: float) -> None:
+        features = np.array([1.0, rows, requests])
+        self._gram += weight * np.outer(features, features)
+        self._moment += weight * seconds * features
 
-    def observe(self, rows: int, seconds: float) -> None:
-        if not (seconds > 0 and math.isfinite(seconds)) or rows <= 0:
+    def observe(self, rows: int, seconds: float, requests: int = 1) -> None:
+        """One step's time with ``rows`` in its forward, ``requests`` of
+        them roots."""
+        if not (seconds > 0 and math.isfinite(seconds)) or rows <= 0 or requests <= 0:
             return
-        self._stats *= self.forgetting
-        self._add(float(rows), float(seconds), 1.0)
-        n, sr, srr, st, srt = self._stats
-        denominator = n * srr - sr * sr
-        if denominator <= 1e-12:
+        self._gram *= self.forgetting
+        self._moment *= self.forgetting
+        self._add(float(rows), float(requests), float(seconds), 1.0)
+        gram = self._gram + self._ridge
+        if np.linalg.det(gram[:2, :2]) <= 1e-12:
             return
-        per_row = (n * srt - sr * st) / denominator
-        fixed = (st - per_row * sr) / n
-        # A step never gets cheaper with more rows, and always costs something.
+        fixed, per_row, per_request = np.linalg.solve(gram, self._moment)
+        # A step never gets cheaper with more rows or requests, and always
+        # costs something.
         self.per_row = max(per_row, 1e-3 * self.prior[1], 1e-9)
+        self.per_request = max(per_request, 0.0)
         self.fixed = max(fixed, 0.05 * self.prior[0], 1e-9)
 
-    def seconds(self, rows: float) -> float:
-        return self.fixed + self.per_row * rows
+    def seconds(self, rows: float, requests: float = 1) -> float:
+        return self.fixed + self.per_request * requests + self.per_row * rows
 
     @classmethod
     def fit(cls, rows: np.ndarray, seconds: np.ndarray, **kwargs) -> StepCostModel:
