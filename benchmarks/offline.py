@@ -68,9 +68,12 @@ def run_offline(method: Method, model: str, prompts: list[Prompt],
             run = generate(llm, [p.token_ids for p in prompts], sampling_params,
                            label=method.name)
             metrics = run.spec_metrics or [None] * len(prompts)
+            emitting_steps = run.emitting_steps or [None] * len(prompts)
             records = [RequestRecord.from_spec_metrics(prompt.index, prompt.category,
                                                        token_ids, spec)
-                       for prompt, token_ids, spec in zip(prompts, run.token_ids, metrics)]
+                       .with_emitting_steps(steps, exact=steps is not None)
+                       for prompt, token_ids, spec, steps in zip(
+                           prompts, run.token_ids, metrics, emitting_steps, strict=True)]
             if progress:
                 progress(len(prompts))
             notes = []

@@ -224,6 +224,9 @@ async def _one_request(session, url: str, prompt: Prompt, max_tokens: int,
     token_ids: list[int] = []
     spec: dict | None = None
     ttft = None
+    # Chunks with tokens: one per engine step unless the server merged steps
+    # the client had not read yet, so a lower bound on the forwards.
+    chunks_with_tokens = 0
     start = time.perf_counter()
     async with session.post(url, json=payload) as response:
         if response.status != 200:
@@ -248,13 +251,15 @@ async def _one_request(session, url: str, prompt: Prompt, max_tokens: int,
                         new = choice.get("token_ids") or []
                         if new and ttft is None:
                             ttft = time.perf_counter() - start
+                        chunks_with_tokens += bool(new)
                         token_ids.extend(new)
                     metrics = message.get("metrics") or {}
                     if metrics.get("speculative_decoding"):
                         spec = metrics["speculative_decoding"]
     latency = time.perf_counter() - start
-    return RequestRecord.from_spec_metrics(prompt.index, prompt.category, token_ids,
-                                           spec, latency_s=latency, ttft_s=ttft)
+    record = RequestRecord.from_spec_metrics(prompt.index, prompt.category, token_ids,
+                                             spec, latency_s=latency, ttft_s=ttft)
+    return record.with_emitting_steps(chunks_with_tokens, exact=False)
 
 
 async def run_load(base_url: str, prompts: list[Prompt], concurrency: int,

@@ -62,9 +62,24 @@ def test_requests_at_max_model_len_keep_speculating(smollm2_dir, bundled_prompts
                for p, s in zip(other_prompts, params[1:]))
     kwargs = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
     plain = run_once(smollm2_dir, prompts, params, **kwargs)
-    esp = run_once(smollm2_dir, prompts, params, speculative_config=HYBRID_30,
-                   per_request_spec_decode_metrics="detailed", **kwargs)
+    llm = make_llm(smollm2_dir, HYBRID_30, per_request_spec_decode_metrics="detailed",
+                   **kwargs)
+    try:
+        rows_before = llm.collective_rpc("esp_row_counts")[0]
+        esp = generate(llm, prompts, params)
+        rows_after = llm.collective_rpc("esp_row_counts")[0]
+    finally:
+        shutdown(llm)
     assert esp.token_ids == plain.token_ids
+    # The benchmarks' forwards: the front end's count of the steps that
+    # emitted each request's tokens is one per token without speculation,
+    # and with ESP (plain steps, cut and truncated blocks included) agrees
+    # with the worker's own count of decode request-steps.
+    assert plain.emitting_steps == [len(tokens) for tokens in plain.token_ids]
+    decode_steps = rows_after["decode_request_steps"] - rows_before["decode_request_steps"]
+    assert sum(steps - 1 for steps in esp.emitting_steps) == decode_steps
+    assert all(steps >= 1 + len(m["per_step_accepted"])
+               for steps, m in zip(esp.emitting_steps, esp.spec_metrics))
     assert len(edge_prompts[0]) + len(esp.token_ids[0]) == MAX_MODEL_LEN
 
     block = HYBRID_30["block_complexity"]

@@ -100,6 +100,53 @@ def test_forwards_when_max_tokens_cuts_the_last_step():
     assert target_forwards(r) == 4
 
 
+def test_counted_steps_replace_the_estimate_from_spec_metrics():
+    # A suffix-like request: 2 plain steps, then 2 verification steps that
+    # accepted 3 and 4 drafts, the last cut by max_tokens after 2 of them.
+    # Tokens: 1 (prefill) + 1 + 1 + 4 + 3 = 10; forwards 5. vLLM counts 7
+    # accepted, so the estimate gives max(10 - 7, 1 + 2) = 3.
+    r = spec_record(0, "qa", n=10, steps=2, accepted=7, drafts=9)
+    assert target_forwards(r) == 3
+    exact = r.with_emitting_steps(5, exact=True)
+    assert target_forwards(exact) == 5
+    assert tokens_per_step([exact]) == pytest.approx(9 / 4)
+    assert rows_per_step([exact]) == pytest.approx(1 + 9 / 4)
+    # Online, the stream's chunk count is a lower bound: it raises the
+    # estimate, and cannot lower it.
+    assert target_forwards(r.with_emitting_steps(4, exact=False)) == 4
+    assert target_forwards(r.with_emitting_steps(2, exact=False)) == 3
+    assert target_forwards(RequestRecord(1, "qa", [1, 2, 3]).with_emitting_steps(
+        3, exact=True)) == 3
+    assert summarize([exact], 1.0)["forwards_exact"] is True
+    assert summarize([exact, r], 1.0)["forwards_exact"] is False
+    assert summarize([exact], 1.0)["target_forwards"] == 5
+
+
+def test_esp_worker_count_makes_online_figures_exact():
+    # Two online ESP requests whose streams were merged: the records only
+    # bound the forwards; the worker's count of decode request-steps (19
+    # over both) gives the pass's exact figures.
+    records = [spec_record(0, "qa", n=20, steps=5, accepted=15).with_emitting_steps(
+                   5, exact=False),
+               spec_record(1, "qa", n=12, steps=4, accepted=6).with_emitting_steps(
+                   6, exact=False)]
+    estimated = PassResult("esp", "online", 4, 1.0, records).summary()
+    assert estimated["forwards_exact"] is False
+    assert estimated["target_forwards"] == 6 + 6
+    counts = {"decode_request_steps": 19, "rows": 57}
+    exact = PassResult("esp", "online", 4, 1.0, records, row_counts=counts).summary()
+    assert exact["forwards_exact"] is True
+    assert exact["target_forwards"] == 2 + 19
+    assert exact["tokens_per_step"] == pytest.approx(30 / 19, abs=1e-4)
+    assert exact["forwards_per_token"] == pytest.approx(21 / 32, abs=1e-4)
+    assert exact["rows_per_step"] == pytest.approx(3.0)
+    # Offline records are exact already: the worker's count does not
+    # replace them.
+    offline = [r.with_emitting_steps(7, exact=True) for r in records]
+    summary = PassResult("esp", "offline", 4, 1.0, offline, row_counts=counts).summary()
+    assert summary["target_forwards"] == 14
+
+
 def _lookup_drafter(k):
     """A deterministic chain drafter: the k tokens after the latest earlier
     occurrence of the last token (plain prompt lookup, 1-gram)."""

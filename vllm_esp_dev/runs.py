@@ -7,6 +7,7 @@ engines the same way and read vLLM's spec-decode counters the same way.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,10 @@ class GenerationRun:
     # Per request: vLLM's RequestSpecDecodeMetrics.to_dict(), or None. Only
     # filled when the engine runs with per_request_spec_decode_metrics.
     spec_metrics: list[dict | None] = field(default_factory=list)
+    # Per request: engine steps whose output carried tokens for it, the
+    # prefill's included (its target forwards), counted as the front end
+    # receives them; see ``count_emitting_steps``.
+    emitting_steps: list[int] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:
@@ -93,9 +98,10 @@ def generate(llm, prompts_token_ids: list[list[int]], sampling_params,
 
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompts_token_ids]
     before = spec_counters(llm)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, sampling_params, use_tqdm=progress)
-    seconds = time.perf_counter() - start
+    with count_emitting_steps(llm) as steps_by_request:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, sampling_params, use_tqdm=progress)
+        seconds = time.perf_counter() - start
     after = spec_counters(llm)
     counters = {name: after.get(name, 0) - before.get(name, 0) for name in after}
     return GenerationRun(
@@ -105,7 +111,35 @@ def generate(llm, prompts_token_ids: list[list[int]], sampling_params,
         seconds=seconds,
         counters=counters,
         spec_metrics=[_request_spec_metrics(o) for o in outputs],
+        emitting_steps=[steps_by_request.get(o.request_id, 0) for o in outputs],
     )
+
+
+@contextlib.contextmanager
+def count_emitting_steps(llm):
+    """Count, per request id, the engine steps whose output carries tokens
+    for the request: its target forwards, exactly, for any method. vLLM's
+    spec-decode metrics cannot give this: they count accepted drafts that
+    ``max_tokens`` or a stop token then cuts, and skip steps without drafts.
+    Wraps the front end's ``OutputProcessor.process_outputs`` for the
+    duration (one engine step's outputs per call, in offline ``LLM`` use)."""
+    processor = llm.llm_engine.output_processor
+    original = processor.process_outputs
+    counts: dict[str, int] = {}
+
+    def process_outputs(engine_core_outputs, *args, **kwargs):
+        for output in engine_core_outputs:
+            if output.new_token_ids:
+                state = processor.request_states.get(output.request_id)
+                request_id = state.external_req_id if state is not None else output.request_id
+                counts[request_id] = counts.get(request_id, 0) + 1
+        return original(engine_core_outputs, *args, **kwargs)
+
+    processor.process_outputs = process_outputs
+    try:
+        yield counts
+    finally:
+        del processor.process_outputs
 
 
 def _request_spec_metrics(output) -> dict | None:
