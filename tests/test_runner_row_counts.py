@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The ESP runner's row counts (``esp_row_counts``, read by the benchmarks'
 rows-per-step column) and the decode-only test that also gates the 'auto'
-cost model's timing, on hand-made scheduler outputs; and what the cost
-model's start-up profile times, on a fake runner."""
+cost model's timing, on hand-made scheduler outputs; what the cost
+model's start-up profile times, on a fake runner; and the chain metadata
+the rejection sampler reads, compacted or in place."""
 
 from __future__ import annotations
 
