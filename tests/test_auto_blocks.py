@@ -22,7 +22,7 @@ pytestmark = pytest.mark.vllm
 # A fixed hybrid block, so that the test does not depend on the machine's
 # step costs ('auto' shrinks blocks the same way: row caps per request).
 HYBRID_30 = {"method": "esp", "block_complexity": 30, "candidates": ["esp", "ngram"]}
-MAX_MODEL_LEN = 384
+MAX_MODEL_LEN = 320
 
 
 def _steps_without_drafts(output_len: int, metrics: dict) -> int:
@@ -103,10 +103,11 @@ def test_requests_at_max_model_len_keep_speculating(smollm2_dir, bundled_prompts
 def test_kv_pressure_outputs_identical_and_preemptions_counted(smollm2_dir, bundled_prompts):
     from vllm import SamplingParams
 
-    prompts = bundled_prompts[:12]
-    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    prompts = bundled_prompts[:8]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     # 14 blocks of 32 tokens (one is vLLM's null block) hold about 3 of
-    # these requests at their full length: the scheduler must preempt.
+    # these requests (45 to 76 prompt tokens) at their full length: the
+    # scheduler must preempt.
     kwargs = dict(max_num_seqs=8, block_size=32, num_gpu_blocks_override=14,
                   max_model_len=384, enable_prefix_caching=False)
     runs = {}
