@@ -45,6 +45,7 @@ from vllm_esp.core.goodput import (
     SOURCE_ESP,
     SOURCE_LOOKUP,
     AcceptanceCalibration,
+    MaskValueCalibration,
     StepBudget,
     StepCostModel,
     reach_band_labels,
@@ -127,7 +128,7 @@ class AutoStats:
         logger.info(
             "ESP: %d steps, %.1f rows per step; %d blocks of %.1f rows, %.2f "
             "accepted per block%s; calibration by estimated reach %s: esp x%s, "
-            "lookup x%s, cached answers x%s",
+            "lookup x%s, cached answers x%s; mask rows' value %.3f",
             self.num_steps, self.num_rows / max(self.num_steps, 1), self.num_blocks,
             self.block_rows / max(self.num_blocks, 1),
             self.accepted / max(self.num_blocks, 1),
@@ -137,7 +138,8 @@ class AutoStats:
             "/".join(reach_band_labels()),
             "/".join(f"{v:.2f}" for v in scales[SOURCE_ESP]),
             "/".join(f"{v:.2f}" for v in scales[SOURCE_LOOKUP]),
-            "/".join(f"{v:.2f}" for v in scales[SOURCE_CORPUS]))
+            "/".join(f"{v:.2f}" for v in scales[SOURCE_CORPUS]),
+            proposer.mask_calibration.value)
         self._reset()
 
 
@@ -197,6 +199,7 @@ class ESPProposer:
         self.auto = config.auto
         self.cost_model: StepCostModel | None = None
         self.calibration = AcceptanceCalibration()
+        self.mask_calibration = MaskValueCalibration(self.tree_proposer.hybrid.mask_value)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.max_step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.stats = AutoStats()
@@ -409,7 +412,8 @@ class ESPProposer:
         # The step's requests are given; only its rows are chosen.
         return StepBudget(self.cost_model.seconds(0, num_requests), self.cost_model.per_row,
                           base_rows=num_requests, max_total_rows=self.max_step_tokens,
-                          scales=self.calibration.scales)
+                          scales=self.calibration.scales,
+                          mask_value=self.mask_calibration.value)
 
     def observe_verification(self, trees: TreeBatch, chains: np.ndarray,
                              accepted: np.ndarray) -> None:
@@ -417,18 +421,23 @@ class ESPProposer:
         every drafted node, and whether it was on the accepted path."""
         if trees.reach is None:
             return
-        width = trees.parents.shape[1]
-        drafted = np.arange(width)[None, :] < trees.num_nodes[:, None]
-        drafted[:, 0] = False  # the root is not a draft
-        on_path = np.zeros_like(drafted)
-        depth = np.arange(chains.shape[1])
-        block, position = np.nonzero((depth[None, :] >= 1)
-                                     & (depth[None, :] <= accepted[:, None]))
-        on_path[block, chains[block, position]] = True
+        drafted, on_path, seeded = trees.verification_outcomes(chains, accepted)
         self.calibration.observe(trees.sources[drafted].astype(np.int64),
                                  trees.reach[drafted].astype(np.float64),
                                  on_path[drafted])
-        self.stats.blocks(trees.block_sizes(), accepted)
+        block_sizes = trees.block_sizes()
+        if self.cost_model is not None and trees.num_mask_tokens > 0:
+            # A row's price in tokens: the step's tokens per second (as
+            # the cost model prices its rows) times a row's seconds.
+            has_block = trees.num_nodes > 0
+            requests = int(has_block.sum())
+            seconds = self.cost_model.seconds(int(block_sizes.sum()), requests)
+            price = (requests + int(accepted[has_block].sum())) / seconds \
+                * self.cost_model.per_row
+            esp = drafted & (trees.sources == SOURCE_ESP)
+            self.mask_calibration.observe(int(seeded.sum()), int((esp & on_path).sum()),
+                                          int(esp.sum()), price)
+        self.stats.blocks(block_sizes, accepted)
 
     def observe_step(self, rows: int, seconds: float, requests: int) -> None:
         """One decode step's measured time (``rows`` in its forward, of

@@ -15,6 +15,7 @@ from vllm_esp.core.goodput import (
     SOURCE_ESP,
     SOURCE_LOOKUP,
     AcceptanceCalibration,
+    MaskValueCalibration,
     StepBudget,
     StepCostModel,
     allocate_rows,
@@ -239,6 +240,64 @@ def test_calibration_converges_per_source_and_reach():
         assert scales[SOURCE_LOOKUP, bucket] == pytest.approx(expected, abs=tolerance)
     # ESP never estimated 0.2 or more here: those cells keep the prior.
     assert (scales[SOURCE_ESP, 2:] == 1.0).all()
+
+
+def test_mask_value_converges_to_the_surplus_of_its_candidates():
+    """Per seeded block, ESP's next-step drafts take 2 rows at 0.05 tokens
+    each and are accepted 0.4 times on average: a surplus of 0.3 tokens,
+    which the value reaches from its prior of 0.1."""
+    rng = np.random.default_rng(0)
+    calibration = MaskValueCalibration(prior_value=0.1)
+    assert calibration.value == pytest.approx(0.1)
+    for _ in range(3000):
+        seeded = int(rng.integers(0, 5))
+        accepted = int(rng.binomial(2 * seeded, 0.2))
+        calibration.observe(seeded, accepted, 2 * seeded, price=0.05)
+    assert calibration.value == pytest.approx(0.3, abs=0.05)
+
+
+def test_mask_value_falls_to_zero_when_the_rows_cost_more_than_they_earn():
+    """Candidates accepted 0.1 times per seeded block on 3 rows of 0.2
+    tokens each: no mask row is worth buying. Once nothing is seeded any
+    more, the data fades and the value returns towards the prior, so that
+    the masks are tried again."""
+    rng = np.random.default_rng(1)
+    calibration = MaskValueCalibration(prior_value=0.1)
+    for _ in range(1000):
+        calibration.observe(4, int(rng.binomial(4, 0.1)), 12, price=0.2)
+    assert calibration.value == 0.0
+    for _ in range(200):
+        calibration.observe(0, 0, 0, price=0.2)
+    assert calibration.value == 0.0
+    for _ in range(2000):
+        calibration.observe(0, 0, 0, price=0.2)
+    assert 0.05 < calibration.value <= 0.1
+
+
+def test_mask_value_is_capped_below_one():
+    # A masked node's accepted child is worth 1 - value: the value must stay
+    # below 1 however much the candidates earn.
+    calibration = MaskValueCalibration(prior_value=0.1)
+    for _ in range(500):
+        calibration.observe(1, 5, 5, price=0.0)
+    assert calibration.value == calibration.max_value < 1.0
+
+
+def test_a_zero_mask_value_buys_no_mask_rows():
+    """The step's mask value reaches the allocation: where rows are cheap
+    the prior buys mask rows; a value of 0 buys none, and the rows go to
+    draft nodes instead."""
+    config = ESPConfig.from_dict({})
+    proposer = TreeProposer(config)
+    inputs = _proposer_inputs(8, seed=3)
+    cost = dict(fixed_cost=1.0, cost_per_row=1e-3, base_rows=8)
+    caps = np.full(8, config.block_size)
+    for mask_value, with_masks in ((None, True), (0.0, False)):
+        trees = proposer.propose(**inputs, budget=StepBudget(**cost, mask_value=mask_value))
+        _check_trees(trees, caps)
+        live = np.arange(trees.masked.shape[1])[None, :] < trees.num_nodes[:, None]
+        assert (trees.masked & live).any() == with_masks
+        assert (trees.num_nodes > 1).all()
 
 
 def test_reach_buckets_follow_the_edges():

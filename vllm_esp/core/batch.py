@@ -132,6 +132,26 @@ class TreeBatch:
                         masked=None if all(masked) else masked)
         return DraftTree(spec, torch.from_numpy(self.tokens[i, :size].copy()))
 
+    def verification_outcomes(self, chains: np.ndarray, accepted: np.ndarray
+                              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What verification made of these trees (``chains[i, d]``: the
+        node at depth ``d`` of block ``i``'s chosen chain, ``accepted[i]``
+        of them accepted): ``drafted`` ``[B, T]`` (the nodes other than
+        roots), ``on_path`` ``[B, T]`` (drafted and accepted) and
+        ``seeded`` ``[B]`` (the last accepted node carried masks: its
+        logits give the next step's ESP candidates)."""
+        width = self.parents.shape[1]
+        drafted = np.arange(width)[None, :] < self.num_nodes[:, None]
+        drafted[:, 0] = False
+        on_path = np.zeros_like(drafted)
+        depth = np.arange(chains.shape[1])
+        block, position = np.nonzero((depth[None, :] >= 1)
+                                     & (depth[None, :] <= accepted[:, None]))
+        on_path[block, chains[block, position]] = True
+        blocks = np.arange(self.num_nodes.shape[0])
+        seeded = (self.num_nodes > 0) & self.masked[blocks, chains[blocks, accepted]]
+        return drafted, on_path, seeded
+
     def block_sizes(self) -> np.ndarray:
         """Q per request: nodes plus k rows per masked node (0: no tree)."""
         masked_nodes = (self.masked & (np.arange(self.masked.shape[1]) <
@@ -475,14 +495,17 @@ class TreeProposer:
         args = (histories, history_rows, history_starts, history_ends, corpus,
                 np.asarray(corpus_rows, np.bool_), roots,
                 has_candidates, cand_tokens, cand_log_probs, vocab_size, log_scales, out)
-        gains, num_gains = self._run(caps, *args)
+        mask_value = self.hybrid.mask_value
+        if budget is not None and budget.mask_value is not None:
+            mask_value = budget.mask_value
+        gains, num_gains = self._run(caps, mask_value, *args)
         if self.auto and budget is not None:
             extra = allocate_rows(gains, num_gains, budget.base_rows, budget.fixed_cost,
                                   budget.cost_per_row, budget.max_total_rows)
-            self._run(np.minimum(caps, 1 + extra), *args)
+            self._run(np.minimum(caps, 1 + extra), mask_value, *args)
         return out
 
-    def _run(self, block_sizes, histories, history_rows, history_starts, history_ends,
+    def _run(self, block_sizes, mask_value, histories, history_rows, history_starts, history_ends,
              corpus, corpus_rows, roots, has_candidates, cand_tokens, cand_log_probs, vocab_size, log_scales,
              out):
         hybrid = self.hybrid
@@ -495,7 +518,7 @@ class TreeProposer:
             has_candidates, cand_tokens, cand_log_probs, vocab_size, self.widths,
             self.node_budget, block_sizes, hybrid.num_mask_tokens,
             hybrid.use_esp, hybrid.use_lookup,
-            hybrid.esp_log_weight, log_scales, hybrid.lookup_accept, hybrid.mask_value,
+            hybrid.esp_log_weight, log_scales, hybrid.lookup_accept, mask_value,
             hybrid.max_chains, self.capacity, self.auto, self.placeholder_parents,
             out.parents, out.tokens, out.masked, out.num_nodes, gains, num_gains,
             out.reach, out.sources)

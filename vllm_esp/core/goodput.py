@@ -55,7 +55,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["StepCostModel", "AcceptanceCalibration", "StepBudget", "allocate_rows",
+__all__ = ["StepCostModel", "AcceptanceCalibration", "MaskValueCalibration", "StepBudget",
+           "allocate_rows",
            "SOURCE_ESP", "SOURCE_LOOKUP", "SOURCE_CORPUS", "NUM_SOURCES", "REACH_EDGES",
            "NUM_REACH_BUCKETS", "reach_buckets", "reach_band_labels"]
 
@@ -87,14 +88,17 @@ def reach_band_labels() -> list[str]:
 class StepBudget:
     """What one step's allocation needs: the cost model's current fit, the
     rows the step has without drafts, a cap on its total rows (the
-    scheduler's token budget), and the calibration scales
-    (``[NUM_SOURCES, NUM_REACH_BUCKETS]``, None for all 1)."""
+    scheduler's token budget), the calibration scales
+    (``[NUM_SOURCES, NUM_REACH_BUCKETS]``, None for all 1) and the mask
+    rows' value."""
 
     fixed_cost: float
     cost_per_row: float
     base_rows: int
     max_total_rows: int | None = None
     scales: np.ndarray | None = None
+    # What mask rows are worth (MaskValueCalibration); None: the prior.
+    mask_value: float | None = None
 
 
 def allocate_rows(gains: np.ndarray, num_gains: np.ndarray, base_rows: int,
@@ -258,3 +262,54 @@ class AcceptanceCalibration:
     def scales(self) -> np.ndarray:
         scale = (self.accepted + self.prior) / (self.predicted + self.prior)
         return np.clip(scale, self.min_scale, self.max_scale)
+
+
+class MaskValueCalibration:
+    """What mask rows are worth, learnt from what their candidates earned.
+
+    A node's masks matter only if the node ends up the last accepted one:
+    then their logits are the next step's ESP candidates. The allocation
+    values them at ``mask_value`` tokens per unit of that probability
+    (``core.hybrid.allocate_kernel``). What they really bring is the next
+    step's *surplus* from those candidates: the ESP-sourced drafts accepted,
+    less the rows they took, each priced at what a row costs in tokens at
+    the step's goodput (``price``). Without that surplus the masks' rows
+    buy nothing: on SmolLM2 ESP's candidates alone accepted 0.1 tokens per
+    step at batch 1 and were 0.90x plain at batch 4 (docs/results.md,
+    "ESP's mask rows do not pay on SmolLM2").
+
+    ``value = (surplus + prior * prior_value) / (seeded + prior)`` over
+    recent steps, where ``seeded`` counts the blocks whose last accepted
+    node carried masks; clamped to ``[0, max_value]``. When the value
+    reaches 0 no masks are bought, nothing is seeded and the data fades:
+    the value drifts back towards the prior and the masks are tried again
+    (after about ``log(seeded / prior) / (1 - forgetting)`` steps).
+
+    ESP-sourced drafts include those another source also proposed with a
+    lower score (``core.hybrid.merge_chain_kernel`` keeps the higher
+    score's tag), so the surplus is an upper bound on what the masks alone
+    add.
+    """
+
+    def __init__(self, prior_value: float, prior: float = 5.0,
+                 forgetting: float = 0.995, max_value: float = 0.5) -> None:
+        self.prior_value = prior_value
+        self.prior = prior
+        self.forgetting = forgetting
+        # Below 1: a masked node's accepted child is worth 1 - value (it
+        # takes the masks' place as the last accepted node).
+        self.max_value = max_value
+        self.seeded = 0.0
+        self.surplus = 0.0
+
+    def observe(self, seeded: int, esp_accepted: int, esp_rows: int,
+                price: float) -> None:
+        """One step: blocks whose last accepted node carried masks, ESP
+        drafts accepted, rows of ESP drafts, and a row's price in tokens."""
+        self.seeded = self.seeded * self.forgetting + seeded
+        self.surplus = self.surplus * self.forgetting + esp_accepted - price * esp_rows
+
+    @property
+    def value(self) -> float:
+        value = (self.surplus + self.prior * self.prior_value) / (self.seeded + self.prior)
+        return min(max(value, 0.0), self.max_value)

@@ -121,7 +121,9 @@ LOOKUP_MAX_CHAINS = 3
 # of probability that a node is the last accepted one. Mask rows go where
 # this beats another draft node (``allocate_block``). Chosen with the
 # reference decoder on SmolLM2 (benchmarks/reference_tau.py); like the other
-# scores it only decides the tree's shape, never the output.
+# scores it only decides the tree's shape, never the output. With 'auto'
+# blocks it is only the prior: core.goodput.MaskValueCalibration learns the
+# value from what the masks' candidates earn.
 MASK_VALUE = 0.1
 
 
