@@ -50,7 +50,7 @@ from vllm_esp.core.goodput import (
     StepCostModel,
     reach_band_labels,
 )
-from vllm_esp.core.hybrid import AnswerCorpus
+from vllm_esp.core.hybrid import MASK_VALUE, AnswerCorpus
 from vllm_esp.core.mask_embedding import (
     ema_update_packed,
     embedding_table_sums,
@@ -199,7 +199,7 @@ class ESPProposer:
         self.auto = config.auto
         self.cost_model: StepCostModel | None = None
         self.calibration = AcceptanceCalibration()
-        self.mask_calibration = MaskValueCalibration(self.tree_proposer.hybrid.mask_value)
+        self.mask_calibration = MaskValueCalibration(MASK_VALUE)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.max_step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.stats = AutoStats()
