@@ -53,6 +53,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.step_profile import PARTS
+
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 METHODS = ("plain", "chain", "esp")
 MAX_ROWS = 30
@@ -373,15 +375,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     cells.extend(_measure_point(workers, batch, context, args))
         for point in args.profile or []:
             batch, context, rows = (int(x) for x in point.split(":"))
-            esp = workers["esp"]
-            esp.call("start", batch, context - 8, 7)
-            profile = esp.call("profile", rows, 4, args.warmup)
-            profile.update(batch=batch, context=context, rows=rows)
-            profiles.append(profile)
-            print(f"[step_cost] profile b={batch} ctx={context} rows={rows}: "
-                  + ", ".join(f"{k} {v:.0%}" for k, v in profile["shares"].items()),
-                  flush=True)
-            esp.call("stop_requests")
+            # Every engine at the same point, so that ESP's parts can be
+            # set against vLLM's chain verification of the same rows.
+            for method, worker in workers.items():
+                worker.call("start", batch, context - 8, 7)
+                profile = worker.call("profile", rows, 4, args.warmup)
+                profile.update(method=method, batch=batch, context=context, rows=rows)
+                profiles.append(profile)
+                print(f"[step_cost] profile {method} b={batch} ctx={context} "
+                      f"rows={rows}: " + ", ".join(
+                          f"{k} {v:.0%}" for k, v in profile["shares"].items()),
+                      flush=True)
+                worker.call("stop_requests")
     finally:
         for worker in workers.values():
             worker.close()
@@ -475,13 +480,40 @@ def render_markdown(results: dict[str, Any]) -> str:
             f"| {_fmt(row.get('chain_vs_plain'))} "
             f"| {row['esp_scheduled']:.0f} / {_count(row.get('chain_scheduled'))} "
             f"| {row['mean_context']:.0f} |")
-    for profile in results.get("profiles", []):
-        lines += ["", f"## Where an ESP step goes: batch {profile['batch']}, "
-                  f"context {profile['context']}, {profile['rows']} rows", "",
-                  "| part | share of the step |", "|---|---|"]
-        for name, share in profile["shares"].items():
-            lines.append(f"| {name} | {share:.1%} |")
+    lines += profile_tables(results.get("profiles", []))
     return "\n".join(lines) + "\n"
+
+
+def profile_tables(profiles: list[dict[str, Any]]) -> list[str]:
+    """Per profiled point, each part's time per step for every engine, as
+    a fraction of the reference engine's whole step (chain's if it ran,
+    else plain's, else ESP's own): the parts' differences are what one
+    engine's step costs beyond the other's."""
+    points: dict[tuple[int, int, int], dict[str, dict[str, Any]]] = {}
+    for profile in profiles:
+        key = (profile["batch"], profile["context"], profile["rows"])
+        points.setdefault(key, {})[profile.get("method", "esp")] = profile
+    lines: list[str] = []
+    for (batch, context, rows), by_method in points.items():
+        methods = [m for m in METHODS if m in by_method]
+        reference = next(m for m in ("chain", "plain", "esp") if m in by_method)
+        per_step = {m: {part: seconds / by_method[m]["steps"]
+                        for part, seconds in by_method[m]["seconds"].items()}
+                    for m in methods}
+        scale = sum(per_step[reference].values())
+        lines += ["", f"## Where a step goes: batch {batch}, context {context}, "
+                  f"{rows} rows", "",
+                  f"Each part's time per step as a fraction of one {reference} step.", "",
+                  "| part | " + " | ".join(methods) + " |",
+                  "|---|" + "---|" * len(methods)]
+        for part in (*PARTS, "total"):
+            values = [sum(per_step[m].values()) if part == "total"
+                      else per_step[m].get(part, 0.0) for m in methods]
+            if part != "total" and not any(values):
+                continue
+            lines.append(f"| {part} | " + " | ".join(f"{v / scale:.3f}" for v in values)
+                         + " |")
+    return lines
 
 
 def _drafting_note(results: dict[str, Any]) -> str:

@@ -192,6 +192,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tree_attention_designs")
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--out", default=None, help="also write the table here")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
+    parser.add_argument("--rows", type=int, nargs="+", default=[10, 30],
+                        help="block rows, even (a star with one mask per node)")
     args = parser.parse_args(argv)
     from vllm_esp import kernels
 
@@ -199,9 +203,9 @@ def main(argv=None) -> None:
     lines = ["| batch | context | rows | " + " | ".join(
         f"{name} (x chain)" for name in DESIGNS if name != "vllm chain") + " |",
         "|---|---|---|" + "---|" * (len(DESIGNS) - 1)]
-    for batch in (1, 8):
-        for context in (128, 1024):
-            for rows in (10, 30):
+    for batch in args.batch_sizes:
+        for context in args.contexts:
+            for rows in args.rows:
                 times = measure(make_batch(batch, context, rows), args.repeats)
                 chain = times["vllm chain"]
                 lines.append(f"| {batch} | {context} | {rows} | " + " | ".join(

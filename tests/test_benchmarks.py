@@ -559,6 +559,29 @@ def test_step_cost_table_ratios_and_missing_methods():
     assert "Only the first 2 requests of each step draft" in mixed
 
 
+def test_step_cost_profile_tables_set_each_engine_against_one_chain_step():
+    from benchmarks.step_cost import profile_tables
+
+    def profile(method, seconds):  # seconds over 4 steps, per part
+        return {"method": method, "batch": 4, "context": 256, "rows": 4, "steps": 4,
+                "seconds": seconds}
+
+    chain = profile("chain", {"model matmuls": 0.6, "stock attention": 0.2, "other": 0.0})
+    esp = profile("esp", {"model matmuls": 0.6, "tree attention": 0.6, "other": 0.2})
+    lines = profile_tables([esp, chain])
+    assert "## Where a step goes: batch 4, context 256, 4 rows" in lines
+    assert "| part | chain | esp |" in lines
+    # One chain step is 0.2 s: ESP's tree attention is 0.15 s a step.
+    assert "| model matmuls | 0.750 | 0.750 |" in lines
+    assert "| stock attention | 0.250 | 0.000 |" in lines
+    assert "| tree attention | 0.000 | 0.750 |" in lines
+    assert "| total | 1.000 | 1.750 |" in lines
+    assert not any(line.startswith("| sampler") for line in lines)
+    # Without chain, ESP's own step is the unit.
+    alone = profile_tables([esp])
+    assert "| total | 1.000 |" in alone
+
+
 def test_step_cost_plot_skips_runs_without_chain(tmp_path):
     """``--methods plain esp`` has no ESP / chain ratio to plot: the run
     used to die in matplotlib after writing its tables."""

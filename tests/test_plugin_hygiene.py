@@ -35,44 +35,26 @@ RUN_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _start(model_dir, tmp_path, plugins: str | None, name: str) -> subprocess.Popen:
+def _run(model_dir, tmp_path, plugins: str | None):
     script = tmp_path / "hygiene_run.py"
     script.write_text(RUN_SCRIPT)
     env = dict(os.environ)
     env.pop("VLLM_PLUGINS", None)
     if plugins is not None:
         env["VLLM_PLUGINS"] = plugins
-    # Output to files: a full pipe would stall a run while the other is
-    # being waited for.
-    with open(tmp_path / f"{name}.out", "w") as stdout, \
-            open(tmp_path / f"{name}.err", "w") as stderr:
-        return subprocess.Popen([sys.executable, str(script), model_dir], env=env,
-                                stdout=stdout, stderr=stderr)
-
-
-def _result(process: subprocess.Popen, tmp_path, name: str):
-    process.wait(timeout=900)
-    stdout = (tmp_path / f"{name}.out").read_text()
-    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, (tmp_path / f"{name}.err").read_text()[-4000:]
+    result = subprocess.run([sys.executable, str(script), model_dir], env=env,
+                            capture_output=True, text=True, timeout=900)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, result.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])
 
 
 @pytest.mark.vllm
 def test_non_esp_runs_unchanged_by_plugin(tiny_llama_dir, tmp_path):
-    # Both runs at once: each is mostly process starts and imports, which
-    # leave the second core idle.
+    with_plugin = _run(tiny_llama_dir, tmp_path, plugins=None)
     # VLLM_PLUGINS lists the general plugins vLLM may load; naming another
     # one keeps vllm-esp's entry point from loading at all.
-    runs = {"with_plugin": None, "without_plugin": "lora_filesystem_resolver"}
-    processes = {name: _start(tiny_llama_dir, tmp_path, plugins, name)
-                 for name, plugins in runs.items()}
-    try:
-        with_plugin, without_plugin = [_result(process, tmp_path, name)
-                                       for name, process in processes.items()]
-    finally:
-        for process in processes.values():
-            process.kill()
+    without_plugin = _run(tiny_llama_dir, tmp_path, plugins="lora_filesystem_resolver")
     assert with_plugin["patched"] and not without_plugin["patched"]
     for label in ("plain", "ngram"):
         assert with_plugin[label]["tokens"] == without_plugin[label]["tokens"]

@@ -416,26 +416,26 @@ class ESPProposer:
                           mask_value=self.mask_calibration.value)
 
     def observe_verification(self, trees: TreeBatch, chains: np.ndarray,
-                             accepted: np.ndarray) -> None:
-        """Calibrate the sources' estimates on one step's verified blocks:
-        every drafted node, and whether it was on the accepted path."""
+                             accepted: np.ndarray, probed: np.ndarray) -> None:
+        """Calibrate the estimates on one step's verified blocks: every
+        drafted node and whether it was on the accepted path (the sources'
+        acceptance), and what ESP's drafts earned against what their rows
+        cost (the mask rows' value). ``probed[i]``: block ``i``'s last
+        accepted node carried masks, so it seeds the next ESP candidates."""
         if trees.reach is None:
             return
-        drafted, on_path, seeded = trees.verification_outcomes(chains, accepted)
+        drafted, on_path = trees.verification_outcomes(chains, accepted)
         self.calibration.observe(trees.sources[drafted].astype(np.int64),
                                  trees.reach[drafted].astype(np.float64),
                                  on_path[drafted])
         block_sizes = trees.block_sizes()
         if self.cost_model is not None and trees.num_mask_tokens > 0:
-            # A row's price in tokens: the step's tokens per second (as
-            # the cost model prices its rows) times a row's seconds.
             has_block = trees.num_nodes > 0
             requests = int(has_block.sum())
-            seconds = self.cost_model.seconds(int(block_sizes.sum()), requests)
-            price = (requests + int(accepted[has_block].sum())) / seconds \
-                * self.cost_model.per_row
+            price = self.cost_model.row_price(int(block_sizes.sum()), requests,
+                                              requests + int(accepted[has_block].sum()))
             esp = drafted & (trees.sources == SOURCE_ESP)
-            self.mask_calibration.observe(int(seeded.sum()), int((esp & on_path).sum()),
+            self.mask_calibration.observe(int(probed.sum()), int((esp & on_path).sum()),
                                           int(esp.sum()), price)
         self.stats.blocks(block_sizes, accepted)
 

@@ -426,12 +426,12 @@ class ESPModelRunnerMixin:
             self._relocate_kv(step, step.row_starts[block] + chains[block, moved_depth],
                               step.row_starts[block] + moved_depth)
         last_node = chains[np.arange(step.num_blocks), accepted]
-        self.drafter.observe_verification(step.trees, chains, accepted)
         k = self.drafter.num_mask_tokens
-        if k == 0:
-            return
+        # Blocks whose last accepted node carried masks: their logits give
+        # the request's next ESP candidates.
         probe_rows = step.layouts.mask_rows[np.arange(step.num_blocks), last_node, :k]
-        probed = probe_rows[:, 0] >= 0
+        probed = probe_rows[:, 0] >= 0 if k else np.zeros(step.num_blocks, np.bool_)
+        self.drafter.observe_verification(step.trees, chains, accepted, probed)
         if not probed.any():
             return
         with scope("esp: mask probe"):

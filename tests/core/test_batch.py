@@ -154,7 +154,7 @@ def test_requests_without_a_tree_get_no_rows_and_no_chain():
                 == reference_chains[tree_index, :reference_lengths[tree_index]].tolist())
 
 
-def test_verification_outcomes_name_the_accepted_drafts_and_the_seeding_masks():
+def test_verification_outcomes_name_the_drafted_and_the_accepted_nodes():
     # Block 0: root -> a -> b, root -> c; masks on the root and on a.
     # Block 1: no tree. Block 2: root -> d, masks on d only.
     parents = np.array([[-1, 0, 1, 0], [-1, -1, -1, -1], [-1, 0, -1, -1]])
@@ -164,15 +164,13 @@ def test_verification_outcomes_name_the_accepted_drafts_and_the_seeding_masks():
                       np.array([4, 0, 2]), num_mask_tokens=2)
     chains = np.array([[0, 1, 2, 0], [0, 0, 0, 0], [0, 1, 0, 0]])
 
-    # a accepted, b rejected: a's masks seed the next step.
-    drafted, on_path, seeded = trees.verification_outcomes(chains, np.array([1, 0, 0]))
+    # a accepted, b rejected.
+    drafted, on_path = trees.verification_outcomes(chains, np.array([1, 0, 0]))
     assert drafted.tolist() == [[False, True, True, True], [False] * 4,
                                 [False, True, False, False]]
     assert on_path.tolist() == [[False, True, False, False], [False] * 4, [False] * 4]
-    assert seeded.tolist() == [True, False, False]
 
-    # Both accepted: b ends the path and has no masks; d accepted does.
-    _, on_path, seeded = trees.verification_outcomes(chains, np.array([2, 0, 1]))
+    # Both accepted in block 0, d accepted in block 2.
+    _, on_path = trees.verification_outcomes(chains, np.array([2, 0, 1]))
     assert on_path.tolist() == [[False, True, True, False], [False] * 4,
                                 [False, True, False, False]]
-    assert seeded.tolist() == [False, False, True]

@@ -133,13 +133,11 @@ class TreeBatch:
         return DraftTree(spec, torch.from_numpy(self.tokens[i, :size].copy()))
 
     def verification_outcomes(self, chains: np.ndarray, accepted: np.ndarray
-                              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                              ) -> tuple[np.ndarray, np.ndarray]:
         """What verification made of these trees (``chains[i, d]``: the
         node at depth ``d`` of block ``i``'s chosen chain, ``accepted[i]``
         of them accepted): ``drafted`` ``[B, T]`` (the nodes other than
-        roots), ``on_path`` ``[B, T]`` (drafted and accepted) and
-        ``seeded`` ``[B]`` (the last accepted node carried masks: its
-        logits give the next step's ESP candidates)."""
+        roots) and ``on_path`` ``[B, T]`` (drafted and accepted)."""
         width = self.parents.shape[1]
         drafted = np.arange(width)[None, :] < self.num_nodes[:, None]
         drafted[:, 0] = False
@@ -148,9 +146,7 @@ class TreeBatch:
         block, position = np.nonzero((depth[None, :] >= 1)
                                      & (depth[None, :] <= accepted[:, None]))
         on_path[block, chains[block, position]] = True
-        blocks = np.arange(self.num_nodes.shape[0])
-        seeded = (self.num_nodes > 0) & self.masked[blocks, chains[blocks, accepted]]
-        return drafted, on_path, seeded
+        return drafted, on_path
 
     def block_sizes(self) -> np.ndarray:
         """Q per request: nodes plus k rows per masked node (0: no tree)."""

@@ -209,6 +209,13 @@ class StepCostModel:
     def seconds(self, rows: float, requests: float = 1) -> float:
         return self.fixed + self.per_request * requests + self.per_row * rows
 
+    def row_price(self, rows: float, requests: float, tokens: float) -> float:
+        """What one more row costs, in tokens, in a step of ``rows`` and
+        ``requests`` that emitted ``tokens``: the step's goodput times a
+        row's seconds. Example: 2 ms fixed, 1 ms per row, 10 rows, 4
+        tokens: 4 / 12 ms * 1 ms = 1/3 token."""
+        return tokens / self.seconds(rows, requests) * self.per_row
+
     @classmethod
     def fit(cls, rows: np.ndarray, seconds: np.ndarray, **kwargs) -> StepCostModel:
         """The prior from profiled ``(rows, seconds)`` points."""

@@ -39,62 +39,126 @@ namespace {
 
 constexpr int kChunkKeys = 32;     // keys per scores micro-kernel call
 constexpr int kMaxTileKeys = 128;  // prefix keys per softmax tile
-constexpr int kScoreRows = 8;      // query vectors per scores micro-kernel
+constexpr int kScoreRows = 8;      // query vectors padded to a multiple of this
+// Register tiles of the micro-kernels, sized to the vector registers: 32
+// 16-float registers with AVX-512, 16 8-float ones with AVX2. A tile that
+// does not fit spills to the stack on every multiply-add: with AVX-512's
+// tiles on an AVX2 machine the kernel ran 3-4x slower than vLLM's on the
+// same rows (benchmarks/tree_attention_designs.py).
+#if defined(__AVX512F__)
+constexpr int kTileRows = 8;       // scores: 8 query vectors x 32 keys
+constexpr int kTileKeyVecs = 2;
+// PV: rows x vectors of head_dim per pass (C = head_dim / 16 in all).
+constexpr int pv_cols(int C) { return C; }
+constexpr int pv_rows(int C) { return C >= 16 ? 1 : 16 / C; }
+#else
+constexpr int kTileRows = 4;       // scores: 4 query vectors x 16 keys
+constexpr int kTileKeyVecs = 1;
+constexpr int pv_cols(int C) { return C % 2 == 0 ? 2 : 1; }  // 2 rows x 32 columns
+constexpr int pv_rows(int) { return 2; }
+#endif
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// 16 floats (one AVX-512 register; GCC splits it on narrower ISAs). The
+// vec16: 16 floats, held as native vectors: one AVX-512 register, or two
+// AVX2 ones. (A plain 64-byte GCC vector on an AVX2 target is lowered
+// through memory: every multiply-add loaded and stored its operands, and
+// the kernel ran 3-4x slower than vLLM's on the same rows.) The
 // micro-kernels keep their accumulators in fully unrolled arrays of these,
 // so that they stay in registers.
-typedef float vec16 __attribute__((vector_size(64)));
-typedef int32_t ivec16 __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+constexpr int kParts = 16 / kLanes;
+typedef float native_vec __attribute__((vector_size(4 * kLanes)));
+typedef int32_t native_ivec __attribute__((vector_size(4 * kLanes)));
+
+// Unaligned loads and stores of one native vector (GCC's idiom; a memcpy
+// of the whole struct went through the stack in 16-byte pieces, and each
+// 32-byte read of them stalled on store forwarding).
+typedef float unaligned_vec
+    __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
+
+struct vec16 {
+  native_vec part[kParts];
+};
+
+#define ESP_VEC16_OP(op)                                           \
+  inline vec16 operator op(vec16 a, const vec16& b) {              \
+    for (int i = 0; i < kParts; ++i) a.part[i] = a.part[i] op b.part[i]; \
+    return a;                                                      \
+  }
+ESP_VEC16_OP(+)
+ESP_VEC16_OP(-)
+ESP_VEC16_OP(*)
+#undef ESP_VEC16_OP
+inline vec16& operator+=(vec16& a, const vec16& b) { return a = a + b; }
 
 inline vec16 load16(const float* p) {
   vec16 v;
-  std::memcpy(&v, p, sizeof(v));
+  for (int i = 0; i < kParts; ++i)
+    v.part[i] = *reinterpret_cast<const unaligned_vec*>(p + i * kLanes);
   return v;
 }
-inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
-inline vec16 splat16(float x) {
-  return vec16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+inline void store16(float* p, const vec16& v) {
+  for (int i = 0; i < kParts; ++i)
+    *reinterpret_cast<unaligned_vec*>(p + i * kLanes) = v.part[i];
 }
-inline vec16 max16(vec16 a, vec16 b) { return a > b ? a : b; }
-inline float hmax16(vec16 v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+inline vec16 splat16(float x) {
+  vec16 v;
+  for (int i = 0; i < kParts; ++i) v.part[i] = native_vec{} + x;
+  return v;
+}
+inline vec16 max16(vec16 a, const vec16& b) {
+  for (int i = 0; i < kParts; ++i) a.part[i] = a.part[i] > b.part[i] ? a.part[i] : b.part[i];
+  return a;
+}
+inline float hmax16(const vec16& v) {
+  float x[16];
+  store16(x, v);
+  float m = x[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, x[i]);
   return m;
 }
-inline float hsum16(vec16 v) {
+inline float hsum16(const vec16& v) {
+  float x[16];
+  store16(x, v);
   float s = 0.0f;
-  for (int i = 0; i < 16; ++i) s += v[i];
+  for (int i = 0; i < 16; ++i) s += x[i];
   return s;
 }
 
 // exp(x) for x <= 0 (scores minus their running max): 2^(x log2 e) split
 // into 2^n * 2^f, |f| <= 1/2, 2^f by a degree-6 polynomial (relative error
 // ~2e-7). Exactly 0 below -87, so masked keys (-inf) weigh nothing.
-inline vec16 exp16(vec16 x) {
-  const vec16 zero = splat16(0.0f);
-  const auto underflow = x < splat16(-87.0f);
-  x = max16(x, splat16(-87.0f));
-  const vec16 t = x * splat16(1.44269504088896341f);
+inline native_vec exp_native(native_vec x) {
+  const native_vec zero = native_vec{};
+  const auto underflow = x < zero - 87.0f;
+  x = x > zero - 87.0f ? x : zero - 87.0f;
+  const native_vec t = x * 1.44269504088896341f;
   // Round to nearest with the 1.5 * 2^23 trick (|t| < 2^22).
-  const vec16 n = (t + splat16(12582912.0f)) - splat16(12582912.0f);
-  const vec16 f = t - n;
-  vec16 p = splat16(1.5353362e-4f);
-  p = p * f + splat16(1.3398874e-3f);
-  p = p * f + splat16(9.6181291e-3f);
-  p = p * f + splat16(5.5504109e-2f);
-  p = p * f + splat16(2.4022650e-1f);
-  p = p * f + splat16(6.9314718e-1f);
-  p = p * f + splat16(1.0f);
-  const ivec16 bits = (__builtin_convertvector(n, ivec16) + 127) << 23;
-  vec16 scale;
+  const native_vec n = (t + 12582912.0f) - 12582912.0f;
+  const native_vec f = t - n;
+  native_vec p = zero + 1.5353362e-4f;
+  p = p * f + 1.3398874e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022650e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  const native_ivec bits = (__builtin_convertvector(n, native_ivec) + 127) << 23;
+  native_vec scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  const vec16 result = p * scale;
+  const native_vec result = p * scale;
   return underflow ? zero : result;
 }
+inline vec16 exp16(vec16 x) {
+  for (int i = 0; i < kParts; ++i) x.part[i] = exp_native(x.part[i]);
+  return x;
+}
 
-inline float exp1(float x) { return exp16(splat16(x))[0]; }
+inline float exp1(float x) { return exp_native(native_vec{} + x)[0]; }
 
 template <typename T>
 inline float to_float(T value) { return static_cast<float>(value); }
@@ -121,26 +185,32 @@ struct Shapes {
 
 // scores[m][j] = q[m] . K[:, j] for kChunkKeys keys whose K is column-major
 // with row stride k_stride (fp32); q_t is q transposed, [D][M_pad], M_pad a
-// multiple of kScoreRows. The 8 x 32 register tile is vLLM's own shape.
+// multiple of kScoreRows. Register tiles of kTileRows x (16 * kTileKeyVecs).
 template <int D>
 void chunk_scores(const float* q_t, int64_t M_pad, const float* k, int64_t k_stride,
                   float* scores, int64_t scores_stride) {
-  for (int64_t m0 = 0; m0 < M_pad; m0 += kScoreRows) {
-    vec16 block[kScoreRows][2] = {};
-    for (int d = 0; d < D; ++d) {
-      const vec16 k0 = load16(k + d * k_stride), k1 = load16(k + d * k_stride + 16);
-      const float* qd = q_t + d * M_pad + m0;
+  static_assert(kChunkKeys % (16 * kTileKeyVecs) == 0, "key tile must divide a chunk");
+  static_assert(kScoreRows % kTileRows == 0, "row tile must divide the padding");
+  for (int64_t j0 = 0; j0 < kChunkKeys; j0 += 16 * kTileKeyVecs) {
+    for (int64_t m0 = 0; m0 < M_pad; m0 += kTileRows) {
+      vec16 block[kTileRows][kTileKeyVecs] = {};
+      for (int d = 0; d < D; ++d) {
+        vec16 keys[kTileKeyVecs];
+#pragma GCC unroll 2
+        for (int c = 0; c < kTileKeyVecs; ++c) keys[c] = load16(k + d * k_stride + j0 + 16 * c);
+        const float* qd = q_t + d * M_pad + m0;
 #pragma GCC unroll 8
-      for (int i = 0; i < kScoreRows; ++i) {
-        const vec16 qb = splat16(qd[i]);
-        block[i][0] += qb * k0;
-        block[i][1] += qb * k1;
+        for (int i = 0; i < kTileRows; ++i) {
+          const vec16 qb = splat16(qd[i]);
+#pragma GCC unroll 2
+          for (int c = 0; c < kTileKeyVecs; ++c) block[i][c] += qb * keys[c];
+        }
       }
-    }
 #pragma GCC unroll 8
-    for (int i = 0; i < kScoreRows; ++i) {
-      store16(scores + (m0 + i) * scores_stride, block[i][0]);
-      store16(scores + (m0 + i) * scores_stride + 16, block[i][1]);
+      for (int i = 0; i < kTileRows; ++i)
+#pragma GCC unroll 2
+        for (int c = 0; c < kTileKeyVecs; ++c)
+          store16(scores + (m0 + i) * scores_stride + j0 + 16 * c, block[i][c]);
     }
   }
 }
@@ -150,7 +220,9 @@ template <int D>
 struct SoftmaxState {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
   static constexpr int C = D / 16;                      // vectors per row
-  static constexpr int RB = C >= 16 ? 1 : 16 / C;       // rows per PV pass
+  // PV register tile: RB rows x CB vectors of head_dim per pass.
+  static constexpr int CB = pv_cols(C);
+  static constexpr int RB = pv_rows(C);
   int64_t M, M_pad;
   std::vector<float> acc, row_max, row_sum;
   SoftmaxState(int64_t m, int64_t m_pad)
@@ -194,29 +266,33 @@ struct SoftmaxState {
     }
     // acc[m] += sum_j p[m][j] V[j], RB query vectors at a time so that
     // their accumulators stay in registers over the keys.
-    for (int64_t m0 = 0; m0 < M; m0 += RB) {
-      vec16 local[RB][C];
+    static_assert(C % CB == 0, "PV column tile must divide head_dim");
+    for (int64_t m0 = 0; m0 < M; m0 += RB)
+      for (int c0 = 0; c0 < C; c0 += CB) {
+        vec16 local[RB][CB];
 #pragma GCC unroll 16
-      for (int i = 0; i < RB; ++i)
+        for (int i = 0; i < RB; ++i)
 #pragma GCC unroll 16
-        for (int c = 0; c < C; ++c) local[i][c] = load16(acc.data() + (m0 + i) * D + c * 16);
-      for (int64_t j = 0; j < n; ++j) {
-        const float* v = values + j * values_stride;
-        vec16 vv[C];
+          for (int c = 0; c < CB; ++c)
+            local[i][c] = load16(acc.data() + (m0 + i) * D + (c0 + c) * 16);
+        for (int64_t j = 0; j < n; ++j) {
+          const float* v = values + j * values_stride + c0 * 16;
+          vec16 vv[CB];
 #pragma GCC unroll 16
-        for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
+          for (int c = 0; c < CB; ++c) vv[c] = load16(v + c * 16);
 #pragma GCC unroll 16
-        for (int i = 0; i < RB; ++i) {
-          const vec16 p = splat16(scores[(m0 + i) * stride + j]);
+          for (int i = 0; i < RB; ++i) {
+            const vec16 p = splat16(scores[(m0 + i) * stride + j]);
 #pragma GCC unroll 16
-          for (int c = 0; c < C; ++c) local[i][c] += p * vv[c];
+            for (int c = 0; c < CB; ++c) local[i][c] += p * vv[c];
+          }
         }
+#pragma GCC unroll 16
+        for (int i = 0; i < RB; ++i)
+#pragma GCC unroll 16
+          for (int c = 0; c < CB; ++c)
+            store16(acc.data() + (m0 + i) * D + (c0 + c) * 16, local[i][c]);
       }
-#pragma GCC unroll 16
-      for (int i = 0; i < RB; ++i)
-#pragma GCC unroll 16
-        for (int c = 0; c < C; ++c) store16(acc.data() + (m0 + i) * D + c * 16, local[i][c]);
-    }
   }
 };
 
