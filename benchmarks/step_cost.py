@@ -360,8 +360,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = str(model_path(args.model)) if args.model in MODELS else args.model
     methods = ["esp"] if args.profile_only else list(args.methods)
     max_len = max(args.contexts) + 512
+    # A profiled batch larger than max_num_seqs would wait for ever for its
+    # requests to run.
+    profile_batches = [int(point.split(":")[0]) for point in args.profile or []]
     options = dict(model=model, max_rows=MAX_ROWS, dtype=args.dtype,
-                   max_num_seqs=max(args.batch_sizes), max_model_len=max_len,
+                   max_num_seqs=max(args.batch_sizes + profile_batches), max_model_len=max_len,
                    kv_space_gib=args.kv_space_gib,
                    drafting_requests=args.drafting_requests)
     print(f"[step_cost] starting engines: {', '.join(methods)}", flush=True)

@@ -197,6 +197,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[10, 30],
                         help="block rows, even (a star with one mask per node)")
     args = parser.parse_args(argv)
+    if any(rows < 4 or rows % 2 for rows in args.rows):
+        parser.error(f"--rows: even numbers of at least 4, got {args.rows}")
     from vllm_esp import kernels
 
     kernels.load()

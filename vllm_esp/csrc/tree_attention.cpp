@@ -40,23 +40,6 @@ namespace {
 constexpr int kChunkKeys = 32;     // keys per scores micro-kernel call
 constexpr int kMaxTileKeys = 128;  // prefix keys per softmax tile
 constexpr int kScoreRows = 8;      // query vectors padded to a multiple of this
-// Register tiles of the micro-kernels, sized to the vector registers: 32
-// 16-float registers with AVX-512, 16 8-float ones with AVX2. A tile that
-// does not fit spills to the stack on every multiply-add: with AVX-512's
-// tiles on an AVX2 machine the kernel ran 3-4x slower than vLLM's on the
-// same rows (benchmarks/tree_attention_designs.py).
-#if defined(__AVX512F__)
-constexpr int kTileRows = 8;       // scores: 8 query vectors x 32 keys
-constexpr int kTileKeyVecs = 2;
-// PV: rows x vectors of head_dim per pass (C = head_dim / 16 in all).
-constexpr int pv_cols(int C) { return C; }
-constexpr int pv_rows(int C) { return C >= 16 ? 1 : 16 / C; }
-#else
-constexpr int kTileRows = 4;       // scores: 4 query vectors x 16 keys
-constexpr int kTileKeyVecs = 1;
-constexpr int pv_cols(int C) { return C % 2 == 0 ? 2 : 1; }  // 2 rows x 32 columns
-constexpr int pv_rows(int) { return 2; }
-#endif
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // vec16: 16 floats, held as native vectors: one AVX-512 register, or two
@@ -64,11 +47,21 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // through memory: every multiply-add loaded and stored its operands, and
 // the kernel ran 3-4x slower than vLLM's on the same rows.) The
 // micro-kernels keep their accumulators in fully unrolled arrays of these,
-// so that they stay in registers.
+// so that they stay in registers: their tiles are sized to the register
+// file (32 16-float registers with AVX-512, 16 8-float ones with AVX2).
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
+constexpr int kTileRows = 8;       // scores: 8 query vectors x 32 keys
+constexpr int kTileKeyVecs = 2;
+// PV: rows x vectors of head_dim per pass (C = head_dim / 16 in all).
+constexpr int pv_cols(int C) { return C; }
+constexpr int pv_rows(int C) { return C >= 16 ? 1 : 16 / C; }
 #else
 constexpr int kLanes = 8;
+constexpr int kTileRows = 4;       // scores: 4 query vectors x 16 keys
+constexpr int kTileKeyVecs = 1;
+constexpr int pv_cols(int C) { return C % 2 == 0 ? 2 : 1; }  // 2 rows x 32 columns
+constexpr int pv_rows(int) { return 2; }
 #endif
 constexpr int kParts = 16 / kLanes;
 typedef float native_vec __attribute__((vector_size(4 * kLanes)));
