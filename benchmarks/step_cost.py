@@ -31,9 +31,10 @@ scheduled and the requests' mean context length, which the report shows.
 
 Results go to ``benchmarks/results/step-cost-<timestamp>/``: results.json
 (every step time), results.md (medians and ratios) and step_cost.png.
-``--profile`` adds a torch-profiler breakdown of ESP steps (model matmuls,
-stock attention, tree attention, KV relocation, mask-logit probe, proposal
-and bookkeeping, sampler) at the given points.
+``--profile`` adds a torch-profiler breakdown of every engine's steps (model
+matmuls, stock attention, tree attention, KV relocation, mask-logit probe,
+proposal and bookkeeping, sampler) at the given points, each part as a
+fraction of one chain step.
 """
 
 from __future__ import annotations
