@@ -22,7 +22,12 @@ where                                  how
                                        worker has no runner-class hook
 ``AttentionBackendEnum.CPU_ATTN``      **attention-registry override** with
                                        ``register_backend`` in the ESP
-                                       worker's process (``vllm_esp/worker.py``)
+                                       worker's process (``vllm_esp/worker.py``),
+                                       undone when the worker shuts down;
+                                       both clear vLLM's memoised backend
+                                       resolution (``selector.
+                                       _cached_get_attn_backend``) so that
+                                       in-process engines each get their own
 rejection sampler's ``expand_kernel``  **kernel override** with
                                        ``triton_utils.dispatcher.
                                        register_kernels`` in the ESP worker's

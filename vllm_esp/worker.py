@@ -34,9 +34,63 @@ def register_tree_attention() -> None:
 
     kernels.load()
     check_vec_layout()
+    global _previous_cpu_attention_override
+    backend = AttentionBackendEnum.CPU_ATTN
+    _previous_cpu_attention_override = (
+        backend.get_path() if backend.is_overridden() else None)
     # vLLM's CPU platform always resolves CPU_ATTN, so overriding its path is
     # the registry's supported way to swap the implementation.
-    register_backend(AttentionBackendEnum.CPU_ATTN, ESP_CPU_ATTENTION_BACKEND)
+    register_backend(backend, ESP_CPU_ATTENTION_BACKEND)
+    _forget_resolved_attention_backends()
+
+
+def unregister_tree_attention() -> None:
+    """Give ``CPU_ATTN`` back to what it was before this ESP engine, so that
+    an engine started later in the same process without ESP runs vLLM's own
+    backend."""
+    from vllm.v1.attention.backends.registry import (
+        AttentionBackendEnum,
+        register_backend,
+    )
+
+    backend = AttentionBackendEnum.CPU_ATTN
+    if backend.get_path() != ESP_CPU_ATTENTION_BACKEND:
+        return
+    if _previous_cpu_attention_override is None:
+        backend.clear_override()
+    else:
+        register_backend(backend, _previous_cpu_attention_override)
+    _forget_resolved_attention_backends()
+
+
+def _forget_resolved_attention_backends() -> None:
+    """vLLM memoises backend resolution per process
+    (``selector._cached_get_attn_backend``, checked on 0.32.0). In-process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), an engine started earlier without
+    ESP had already resolved ``CPU_ATTN`` to vLLM's causal kernel, and the
+    ESP engine after it got that class back from the cache: its tree blocks
+    were attended causally and greedy output changed. The registry change
+    must reach the next model built in this process."""
+    from vllm.v1.attention import selector
+
+    selector._cached_get_attn_backend.cache_clear()
+
+
+def check_tree_attention_in_use(attn_groups) -> None:
+    """Fail at start-up, not with wrong tokens, if any attention layer of
+    the model did not get ESP's backend."""
+    from vllm_esp.attention import ESPCPUAttentionBackend
+
+    stock = sorted({group.backend.__name__ for groups in attn_groups for group in groups
+                    if not issubclass(group.backend, ESPCPUAttentionBackend)})
+    if stock:
+        raise RuntimeError(
+            f"ESP: attention layers were built with {', '.join(stock)}, not ESP's "
+            f"tree attention ({ESP_CPU_ATTENTION_BACKEND}); ESP blocks would be "
+            "verified with the wrong mask. Please report this with your vLLM version.")
+
+
+_previous_cpu_attention_override: str | None = None
 
 
 @contextlib.contextmanager
@@ -80,6 +134,7 @@ class ESPCPUWorker(CPUWorker):
         shield_llvmlite_from_kernel_scan()
 
     def compile_or_warm_up_model(self):
+        check_tree_attention_in_use(self.model_runner.attn_groups)
         times = super().compile_or_warm_up_model()
         self.model_runner.esp_profile_step_cost()
         started = time.perf_counter()
@@ -87,6 +142,10 @@ class ESPCPUWorker(CPUWorker):
         logger.info("ESP: per-step kernels ready in %.1f s",
                     time.perf_counter() - started)
         return times
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        unregister_tree_attention()
 
     def esp_row_counts(self) -> dict[str, int]:
         """Cumulative decode request-steps and their verification rows
