@@ -9,9 +9,24 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Engines built by tests run in the pytest process (engine core and worker
+# in-process, vLLM's uni executor): an engine then starts in about 6 s
+# instead of 35 s on 2 cores, where each of the two extra processes spent
+# about 15 s importing vLLM. The multiprocess layout users run is covered by
+# the served tests (``vllm serve`` with multiprocessing on), the
+# tensor-parallel and Ray tests, and the benchmark tests' servers.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-import pytest
-from shm_files import SHM, remove_unused_shm_files, vllm_shm_files
+import llvmlite.binding.ffi  # noqa: F401,E402 (loaded so that it can be shielded)
+import pytest  # noqa: E402
+from shm_files import SHM, remove_unused_shm_files, vllm_shm_files  # noqa: E402
+
+from vllm_esp.patching import shield_llvmlite_from_kernel_scan  # noqa: E402
+
+# Test modules import ESP's numba kernels, and an in-process engine started
+# after that (plain or ESP) would crash in vLLM's kernel scan: the shield the
+# ESP worker applies in its own process, applied here up front.
+shield_llvmlite_from_kernel_scan()
 
 
 @pytest.fixture(scope="session")

@@ -118,6 +118,7 @@ def _ray_processes_left(wait: float = 30) -> list[str]:
 def ray_tp2(ray_cluster, shm_cleanup, monkeypatch):
     # Lets LLM.collective_rpc send esp_ray_shim.worker_report to the workers.
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     return ray_cluster
 
 

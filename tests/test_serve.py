@@ -50,7 +50,11 @@ def serve(args: list[str], log_path: Path, env: dict | None = None, timeout: flo
     process = subprocess.Popen(
         [_vllm_command(), "serve", *args, "--host", "127.0.0.1", "--port", str(port)],
         stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})})
+        # A served engine runs as users run it: engine core and worker in
+        # processes of their own (tests/conftest.py turns that off for
+        # offline engines).
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+             "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})})
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + timeout

@@ -38,6 +38,7 @@ def two_cpu_workers(monkeypatch, shm_cleanup):
     if (os.cpu_count() or 1) < 2:
         pytest.skip("TP=2 on CPU needs two cores")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
 
 
 def _tiny_prompts() -> list[list[int]]:
