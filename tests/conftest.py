@@ -13,8 +13,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # in-process, vLLM's uni executor): an engine then starts in about 6 s
 # instead of 35 s on 2 cores, where each of the two extra processes spent
 # about 15 s importing vLLM. The multiprocess layout users run is covered by
-# the served tests (``vllm serve`` with multiprocessing on), the
-# tensor-parallel and Ray tests, and the benchmark tests' servers.
+# the served tests (``vllm serve`` with multiprocessing on) and, in the slow
+# run, the tensor-parallel and Ray tests. Subprocesses inherit the setting
+# (the benchmark tests' servers, the hygiene scripts).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import llvmlite.binding.ffi  # noqa: F401,E402 (loaded so that it can be shielded)
