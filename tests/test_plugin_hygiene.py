@@ -131,3 +131,29 @@ def test_engines_in_one_process_keep_their_own_attention(smollm2_dir, tmp_path):
     # Overridden only while an ESP engine lives (checked after shut-down).
     assert not any(run["cpu_attn_overridden"] for run in out.values()
                    if isinstance(run, dict))
+
+
+@pytest.mark.vllm
+def test_cpu_attn_is_given_back_after_overlapping_esp_workers():
+    """Two ESP workers alive in one process, shut down in turn: ``CPU_ATTN``
+    must end as vLLM had it, not stay pointed at ESP's backend (the second
+    worker must not take ESP's own entry for what to give back)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_esp.worker import (
+        ESP_CPU_ATTENTION_BACKEND,
+        register_tree_attention,
+        unregister_tree_attention,
+    )
+
+    backend = AttentionBackendEnum.CPU_ATTN
+    assert not backend.is_overridden()
+    try:
+        register_tree_attention()
+        register_tree_attention()
+        assert backend.get_path() == ESP_CPU_ATTENTION_BACKEND
+        unregister_tree_attention()
+        unregister_tree_attention()
+        assert not backend.is_overridden()
+    finally:
+        backend.clear_override()

@@ -36,8 +36,11 @@ def register_tree_attention() -> None:
     check_vec_layout()
     global _previous_cpu_attention_override
     backend = AttentionBackendEnum.CPU_ATTN
-    _previous_cpu_attention_override = (
-        backend.get_path() if backend.is_overridden() else None)
+    current = backend.get_path() if backend.is_overridden() else None
+    # A second ESP engine alive in the same process finds ESP's own entry:
+    # what to give back stays what was there before the first one.
+    if current != ESP_CPU_ATTENTION_BACKEND:
+        _previous_cpu_attention_override = current
     # vLLM's CPU platform always resolves CPU_ATTN, so overriding its path is
     # the registry's supported way to swap the implementation.
     register_backend(backend, ESP_CPU_ATTENTION_BACKEND)
