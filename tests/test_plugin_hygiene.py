@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -157,3 +158,31 @@ def test_cpu_attn_is_given_back_after_overlapping_esp_workers():
         assert not backend.is_overridden()
     finally:
         backend.clear_override()
+
+
+@pytest.mark.vllm
+def test_a_vllm_without_the_backend_memo_gets_a_warning(monkeypatch):
+    """``_forget_resolved_attention_backends`` reaches into a private vLLM
+    memo (checked on 0.32.0). Where it is missing, the ESP worker warns and
+    goes on (its start-up check still guards the model), instead of failing
+    with an AttributeError."""
+    from vllm.v1.attention import selector
+
+    from vllm_esp.worker import _forget_resolved_attention_backends
+
+    warnings: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    # vLLM's loggers do not propagate to the root (pytest's caplog).
+    handler = Collect(logging.WARNING)
+    logger = logging.getLogger("vllm.esp")
+    logger.addHandler(handler)
+    try:
+        monkeypatch.delattr(selector, "_cached_get_attn_backend")
+        _forget_resolved_attention_backends()
+    finally:
+        logger.removeHandler(handler)
+    assert any("_cached_get_attn_backend" in message for message in warnings)

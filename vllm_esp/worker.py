@@ -73,10 +73,23 @@ def _forget_resolved_attention_backends() -> None:
     ESP had already resolved ``CPU_ATTN`` to vLLM's causal kernel, and the
     ESP engine after it got that class back from the cache: its tree blocks
     were attended causally and greedy output changed. The registry change
-    must reach the next model built in this process."""
-    from vllm.v1.attention import selector
+    must reach the next model built in this process.
 
-    selector._cached_get_attn_backend.cache_clear()
+    The memo is private to vLLM. A vLLM without it gets a warning, not a
+    failure: a fresh worker process (vLLM's default) has nothing memoised,
+    and ``check_tree_attention_in_use`` still refuses to start an engine
+    whose layers got another backend."""
+    try:
+        from vllm.v1.attention import selector
+        cache_clear = selector._cached_get_attn_backend.cache_clear
+    except (ImportError, AttributeError):
+        logger.warning(
+            "ESP: vllm.v1.attention.selector._cached_get_attn_backend.cache_clear "
+            "is missing (checked on vLLM 0.32.0). ESP cannot forget backends this "
+            "process resolved earlier; if an engine without ESP ran in this process "
+            "first, ESP's start-up check will refuse to start.")
+        return
+    cache_clear()
 
 
 def check_tree_attention_in_use(attn_groups) -> None:
