@@ -75,13 +75,15 @@ def test_total_row_cap():
 
 
 # ------------------------------------------------------------ TreeProposer
-def _proposer_inputs(batch, seed=0, vocab=50, history_len=40):
+def _proposer_inputs(batch, seed=0, vocab=50, history_len=40, context=1):
     rng = np.random.default_rng(seed)
     base = rng.integers(1, vocab, 12)
     # Repeated phrases give prompt lookup something to find.
     histories = np.concatenate([np.tile(base, 3)[:history_len - 4],
                                 rng.integers(1, vocab, 4)])[None].repeat(batch, 0)
-    histories[:, -1] = base[0]
+    # The history ends like the phrase's start: lookup's path is at most as
+    # long as the context it shares (``context`` tokens, up to 4).
+    histories[:, -context:] = base[:context]
     width = 40
     cand_tokens = np.stack([rng.permutation(vocab)[:width] for _ in range(batch)])[:, None, :]
     log_probs = np.log(np.sort(rng.dirichlet(np.full(width, 0.3), batch), axis=1)[:, ::-1])
@@ -109,7 +111,7 @@ def _check_trees(trees, caps):
 def test_auto_trees_follow_the_cost(candidates):
     config = ESPConfig.from_dict({"candidates": candidates})
     proposer = TreeProposer(config)
-    inputs = _proposer_inputs(8)
+    inputs = _proposer_inputs(8, context=4)
     caps = np.full(8, config.block_size)
     expensive = proposer.propose(**inputs, budget=StepBudget(1.0, 100.0, base_rows=8))
     assert _check_trees(expensive, caps).tolist() == [1] * 8  # plain steps
@@ -328,6 +330,10 @@ def test_low_estimates_scaled_down_leave_fewer_rows():
     config = ESPConfig.from_dict({"candidates": ["ngram"]})
     proposer = TreeProposer(config)
     inputs = _proposer_inputs(8, seed=11)
+    # Random text over 3 tokens: many occurrences that disagree, so lookup
+    # has estimates below 0.1.
+    inputs["histories"] = np.random.default_rng(11).integers(1, 4, (8, 40))
+    inputs["roots"] = inputs["histories"][:, -1].copy()
     cost = dict(fixed_cost=1.0, cost_per_row=0.005, base_rows=8)
     plain = proposer.propose(**inputs, budget=StepBudget(**cost))
     scales = np.ones((2, NUM_REACH_BUCKETS))
@@ -395,7 +401,7 @@ def _path(trees, i, t):
 def test_layout_depths_follow_the_parents():
     """The block layouts' node depths follow the trees' parents."""
     config = ESPConfig.from_dict({})
-    trees = TreeProposer(config).propose(**_proposer_inputs(3, seed=7),
+    trees = TreeProposer(config).propose(**_proposer_inputs(3, seed=7, context=4),
                                          budget=StepBudget(1.0, 1e-4, base_rows=3))
     depths = block_layouts(trees).depths
     for i in range(3):

@@ -16,6 +16,8 @@ from vllm_esp.core.hybrid import (
     LOOKUP_ACCEPT,
     LOOKUP_MAX_CHAINS,
     LOOKUP_MAX_CONTEXT,
+    LOOKUP_MAX_PEERS,
+    LOOKUP_MIN_SHARE,
     AnswerCorpus,
     allocate_block,
     find_ngram_matches,
@@ -69,18 +71,19 @@ def test_docstring_worked_example():
                             lookup_accept=DOC_ACCEPT, mask_value=0.3)
     assert tree.root_token == CAT
     assert tree.tree_spec.num_mask_tokens == 1
-    assert _paths(tree) == {(SAT,), (SAT, DOT), (SAT, DOT, THE), (SAT, DOT, THE, CAT),
-                            (IS,)}
+    assert _paths(tree) == {(SAT,), (SAT, DOT), (IS,)}
     # BFS order, most probable first within a level.
-    assert tree.tokens.tolist() == [CAT, SAT, IS, DOT, THE, CAT]
-    assert tree.tree_spec.parents == (-1, 0, 0, 1, 3, 4)
-    assert tree.tree_spec.masked == (True, False, True, False, False, False)
+    assert tree.tokens.tolist() == [CAT, SAT, IS, DOT]
+    assert tree.tree_spec.parents == (-1, 0, 0, 1)
+    assert tree.tree_spec.masked == (True, True, True, True)
     assert tree.layout.block_size == 8
 
 
 def test_allocate_block_docstring_example():
-    chain = lookup_candidates(np.array([7, 1, 2, 3, 9, 7]), node_budget=3,
-                              lookup_accept=(0.0, 0.8, 0.75, 0.5))
+    # "1 2 7" occurred before, followed by 4 5 6: 3 tokens of context, so
+    # the chain may be 3 tokens long.
+    chain = lookup_candidates(np.array([9, 1, 2, 7, 4, 5, 6, 8, 1, 2, 7]), node_budget=3,
+                              lookup_accept=(0.0, 0.0, 0.0, 0.8, 0.75, 0.5))
     # r = .8, .8 * .75 = .6, .6 * .5 = .3
     assert np.allclose(chain.scores.exp().tolist(), [1, 0.8, 0.6, 0.3], atol=1e-6)
     kept, masked = allocate_block(chain, block_size=4, num_mask_tokens=1, mask_value=0.3)
@@ -98,40 +101,46 @@ def test_find_ngram_matches_longest_then_all_occurrences():
     assert find_ngram_matches(np.array([1, 2, 3]), 3, 1)[1].size == 0
 
 
-def test_lookup_scores_fall_along_the_chain_and_use_match_count():
-    # "2 3" occurred twice: followed by 9 once and by 8 (most recent) once.
-    history = np.array([1, 2, 3, 9, 2, 3, 8, 5, 2, 3])
-    chain = lookup_candidates(history, node_budget=3, lookup_accept=DOC_ACCEPT)
-    assert chain.tokens.tolist() == [3, 8, 5, 2]
-    assert chain.parents.tolist() == [-1, 0, 1, 2]
-    expected = np.cumsum(np.log([0.45, 0.6, 0.7])) + np.log(0.5)
+def test_lookup_path_follows_the_majority_and_scores_its_share():
+    # "1 2" occurred three times: followed by 6 7, 6 8 and (most recently)
+    # 9 9. Each occurrence shares 2 tokens of context, so the path is at
+    # most 2 tokens long.
+    history = np.array([1, 2, 6, 7, 1, 2, 6, 8, 1, 2, 9, 9, 1, 2])
+    chain = lookup_candidates(history, node_budget=4, lookup_accept=DOC_ACCEPT)
+    # 6 is the majority (2 of 3). After 6 7 and 6 8 tie; the more recent
+    # occurrence's 8 wins. f_1 = 2/3, f_2 = 1/3.
+    assert chain.tokens.tolist() == [2, 6, 8]
+    assert chain.parents.tolist() == [-1, 0, 1]
+    expected = np.log([0.45 * 2 / 3, 0.45 * 0.6 / 3])
     np.testing.assert_allclose(chain.scores[1:].numpy(), expected, rtol=1e-6)
-    # With agreeing occurrences the same chain scores higher.
-    agreeing = np.array([1, 2, 3, 8, 5, 2, 3, 8, 5, 2, 3])
-    higher = lookup_candidates(agreeing, node_budget=1, lookup_accept=DOC_ACCEPT)
-    assert higher.scores[1] > chain.scores[1]
-    assert bool((chain.scores[1:] <= chain.scores[:-1]).all())
+    # When all three agree, the same path scores higher.
+    agreeing = np.array([1, 2, 6, 8, 1, 2, 6, 8, 1, 2, 6, 8, 1, 2])
+    higher = lookup_candidates(agreeing, node_budget=4, lookup_accept=DOC_ACCEPT)
+    assert higher.tokens[:3].tolist() == [2, 6, 8]
+    assert bool((higher.scores[1:3] > chain.scores[1:]).all())
+    # A path stops where fewer than LOOKUP_MIN_SHARE of the votes agree
+    # (11 occurrences of "1 2", each followed by another token).
+    spread = np.concatenate([np.array([[1, 2, t, 50 + t] for t in range(3, 14)]).ravel(),
+                             [1, 2]])
+    lone = lookup_candidates(spread, node_budget=4, lookup_accept=DOC_ACCEPT)
+    assert 1 / 11 < LOOKUP_MIN_SHARE and lone is None
 
 
-def test_older_occurrences_with_other_continuations_become_branches():
-    # "5" occurred 3 times: followed by 6 7 (oldest), 8 9, and 6 1 (newest).
-    history = np.array([5, 6, 7, 5, 8, 9, 5, 6, 1, 5])
-    chains = lookup_chains(history, node_budget=2, max_chains=3, lookup_accept=DOC_ACCEPT)
-    # One chain per distinct first token, newest first; 6 7 shares 6 with 6 1.
-    assert [c.tokens[1:].tolist() for c in chains] == [[6, 1], [8, 9]]
-    # 6 is followed by 6 in 2 of 3 occurrences, 8 in 1 of 3.
-    np.testing.assert_allclose(np.exp(chains[0].scores[1].item()), 0.25 * 2 / 3, rtol=1e-5)
-    np.testing.assert_allclose(np.exp(chains[1].scores[1].item()), 0.25 * 1 / 3, rtol=1e-5)
-    # No mask logits (the last accepted node had no masks): the chains alone,
-    # plus the root's masks.
-    tree = hybrid_next_tree(history, 5, None, block_size=7,
-                            num_mask_tokens=1, candidates=("esp", "ngram"),
-                            lookup_accept=DOC_ACCEPT, mask_value=0.3)
-    assert {(6,), (6, 1), (8,), (8, 9)} == _paths(tree)
-    assert tree.tree_spec.masked[0] and tree.layout.block_size == 7
-    # Lookup alone stays pure prompt lookup: the newest chain only.
-    alone = hybrid_next_tree(history, 5, None, 4, 1, ("ngram",), lookup_accept=DOC_ACCEPT)
-    assert _paths(alone) == {(6,), (6, 1), (6, 1, 5)}
+def test_the_better_source_comes_first_and_the_other_may_follow():
+    corpus = AnswerCorpus(64)
+    corpus.add([3, 4, 5, 6, 7, 8])
+    corpus.add([0, 4, 5, 6, 7, 8])
+    # Own history: "4 5" -> 1 once (2 tokens of context); corpus: "3 4 5"
+    # -> 6 7 8 (3 tokens), a longer and fully agreeing path.
+    history = np.array([4, 5, 1, 2, 3, 4, 5])
+    first, second = lookup_chains(history, node_budget=4, max_chains=2,
+                                  lookup_accept=DOC_ACCEPT, corpus=corpus.tokens)
+    assert first.tokens[1:].tolist() == [6, 7, 8]
+    assert second.tokens[1:].tolist() == [1, 2]
+    # The default is the better chain alone.
+    (only,) = lookup_chains(history, node_budget=4, lookup_accept=DOC_ACCEPT,
+                            corpus=corpus.tokens)
+    assert only.tokens.tolist() == first.tokens.tolist()
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -142,16 +151,16 @@ def test_merge_shares_prefix_and_keeps_larger_score(seed):
     # A second chain token that is not an ESP child of `first`.
     children = set(tree.tokens[tree.parents == 1].tolist())
     second = next(t for t in range(1, VOCAB) if t not in children and t != first)
-    chain = lookup_candidates(np.array([0, first, second, 0]), node_budget=3)
+    # "12 0" occurred before: 2 tokens of context, a 2-token chain.
+    chain = lookup_candidates(np.array([12, 0, first, second, 12, 0]), node_budget=3)
     merged = merge_candidates(tree, chain)
     shared = int(torch.nonzero((merged.parents == 0) & (merged.tokens == first))[0, 0])
     assert shared == 1
     assert merged.scores[1] == max(tree.scores[1], chain.scores[1])
     # The rest of the chain hangs below the shared node, once.
-    assert merged.num_candidates == tree.num_candidates + 2
-    new = merged.num_candidates - 2
-    assert merged.parents[new:].tolist() == [1, new]
-    assert merged.depths[new:].tolist() == [2, 3]
+    assert merged.num_candidates == tree.num_candidates + 1
+    assert merged.parents[-1].item() == 1 and merged.depths[-1].item() == 2
+    assert merged.tokens[-1].item() == second
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -185,32 +194,48 @@ def test_hybrid_tree_respects_budget_and_is_a_tree(seed):
     assert _paths(tree) <= esp_paths | chain_paths
 
 
-def _longest_context_continuation(history, budget, max_context=LOOKUP_MAX_CONTEXT):
-    """Brute force: among the longest suffix n-gram's (n <= 3) earlier
-    occurrences, the continuation of the one whose match extends furthest
-    back (at most max_context tokens), the most recent among equals."""
+def _most_frequent_path(history, budget, max_context=LOOKUP_MAX_CONTEXT):
+    """Brute force of the lookup path (``frequency_path_kernel``): the
+    earlier occurrences of the last token, each with the context it shares
+    with the end; for every context length m, the occurrences sharing at
+    least m vote token by token for at most m tokens while the agreeing
+    share is >= LOOKUP_MIN_SHARE; the largest total share wins."""
     history = history.tolist()
     size = len(history)
-    for n in range(min(3, size - 1), 0, -1):
-        ends = [i + n for i in range(size - n) if history[i:i + n] == history[-n:]]
-        if ends:
-            break
-    else:
-        return []
 
-    def context(end):
-        length = n
-        while (length < max_context and end - length - 1 >= 0
-               and history[end - length - 1] == history[size - length - 1]):
+    def context(start):
+        length = 1
+        while (length < max_context and start - length - 1 >= 0
+               and history[start - length - 1] == history[size - length - 1]):
             length += 1
         return length
 
-    best = max(ends, key=lambda end: (context(end), end))
-    return history[best:best + budget]
+    starts = [i + 1 for i in range(size - 1) if history[i] == history[-1]]
+    # The order lookup lists them in: longest context, then most recent.
+    listed = sorted(starts, key=lambda start: (-context(start), -start))[:LOOKUP_MAX_PEERS]
+    best, best_total = [], 0.0
+    for m in sorted({context(start) for start in listed}, reverse=True):
+        members = [start for start in listed if context(start) >= m]
+        path, total = [], 0.0
+        for d in range(min(budget, m)):
+            votes = [history[start + d] for start in members
+                     if start + d < size and history[start:start + d] == path]
+            if not votes:
+                break
+            # Most votes; among ties the one listed first.
+            token = max(votes, key=lambda t: (votes.count(t), -votes.index(t)))
+            share = votes.count(token) / len(members)
+            if share < LOOKUP_MIN_SHARE:
+                break
+            path.append(token)
+            total += share
+        if total > best_total:
+            best, best_total = path, total
+    return best
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_ngram_only_is_the_longest_context_chain(seed):
+def test_ngram_only_is_the_most_frequent_path(seed):
     generator = np.random.default_rng(seed)
     history = generator.integers(0, 4, size=int(generator.integers(2, 80)))
     budget = int(generator.integers(1, 12))
@@ -219,7 +244,7 @@ def test_ngram_only_is_the_longest_context_chain(seed):
     assert config.node_budget == budget
     context = ProposalContext(history, int(history[-1]))
     hybrid = candidate_source(config).propose(context)
-    expected = _longest_context_continuation(history, budget)
+    expected = _most_frequent_path(history, budget)
     if not expected:
         assert hybrid is None
     else:
@@ -234,13 +259,12 @@ def test_lookup_prefers_the_occurrence_sharing_the_longest_context():
     history = np.array([9, 8, 1, 2, 3, 4, 5, 7, 1, 2, 3, 6, 0, 9, 8, 1, 2, 3])
     starts, contexts = lookup_occurrences(history)
     assert starts.tolist() == [5, 11] and contexts.tolist() == [5, 3]
-    first, second = lookup_chains(history, node_budget=2, max_chains=2)
-    assert first.tokens[1:].tolist() == [4, 5] and second.tokens[1:].tolist() == [6, 0]
-    # Scores use each occurrence's own context; the first chain's only peer
-    # (context >= 5) is itself, the second's are both occurrences.
+    # The path after the 5-token context (its only member, share 1) beats
+    # the one voted by both occurrences (3 tokens of context; 4 and 6 tie).
+    (first,) = lookup_chains(history, node_budget=2)
+    assert first.tokens[1:].tolist() == [4, 5]
     np.testing.assert_allclose(
         first.scores[1:].exp().numpy(), np.cumprod(LOOKUP_ACCEPT[5:7]), rtol=1e-5)
-    np.testing.assert_allclose(second.scores[1].exp().item(), LOOKUP_ACCEPT[3] / 2, rtol=1e-5)
     # Pure prompt lookup (vLLM's ngram) keeps taking the most recent one.
     lookup = PromptLookupSource(3, 1, num_draft_tokens=2).propose(ProposalContext(history, 3))
     assert lookup.tokens.tolist() == [3, 6, 0]
@@ -297,11 +321,13 @@ def test_chains_from_earlier_answers_carry_their_own_source_tag():
     # its own history.
     assert trees.tokens[0, :3].tolist() == [5, 6, 7]
     assert trees.sources[0, 1:3].tolist() == [SOURCE_CORPUS] * 2
-    assert trees.tokens[1, :3].tolist() == [4, 5, 9]
-    assert trees.sources[1, 1:3].tolist() == [SOURCE_LOOKUP] * 2
-    assert propose(None).num_nodes.tolist() == [0, 3]
+    # (1 token of context: a 1-token path; the cache's "4 5" ties, and the
+    # request's own history wins ties.)
+    assert trees.tokens[1, :2].tolist() == [4, 5]
+    assert trees.sources[1, 1] == SOURCE_LOOKUP
+    assert propose(None).num_nodes.tolist() == [0, 2]
     # Requests left out of the cache (seeded ones) see only their own history.
-    assert propose(corpus.tokens, np.array([False, True])).num_nodes.tolist() == [0, 3]
+    assert propose(corpus.tokens, np.array([False, True])).num_nodes.tolist() == [0, 2]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -336,28 +362,32 @@ def test_first_step_uses_lookup_or_placeholder():
     source = HybridSource(config)
     no_match = source.propose(ProposalContext([5, 6, 7], 7))
     assert no_match.draft_tokens.tolist() == [7, 7, 7, 7]  # ESP placeholder
+    # "5 6" occurred before: 2 tokens of context, a path of 2.
     match = source.propose(ProposalContext([5, 6, 7, 5, 6], 6))
-    assert match.draft_tokens.tolist() == [7, 5, 6]
+    assert match.draft_tokens.tolist() == [7, 5]
     assert match.tree_spec.num_mask_tokens == 1
 
 
 def test_budget_goes_to_the_more_likely_source():
-    # Only a 1-gram match ("1" at index 0): a weak chain 4 5 6 7 2 3.
-    history = np.array([1, 4, 5, 6, 7, 2, 3, 9, 1])
-    flat = torch.zeros(1, 20)  # ESP knows nothing: uniform masks
-    tree = hybrid_next_tree(history, 1, flat, block_size=8, num_mask_tokens=1,
+    # The 6-token context occurred twice, followed by 4 5 6 7 2 3 and (more
+    # recently) 4 5 8 31 32 33: a chain whose estimates halve after "4 5".
+    context = [20, 21, 22, 23, 24, 25]
+    history = np.array(context + [4, 5, 6, 7, 2, 3, 30] + context
+                       + [4, 5, 8, 31, 32, 33, 34] + context)
+    chain = (4, 5, 8, 31, 32, 33)
+    flat = torch.zeros(1, 40)  # ESP knows nothing: uniform masks
+    tree = hybrid_next_tree(history, 25, flat, block_size=8, num_mask_tokens=1,
                             candidates=("esp", "ngram"), mask_value=0.3)
-    chain = (4, 5, 6, 7, 2, 3)
     # Every node is the chain's (none of ESP's uniform candidates), and it
     # gets most of the block.
     assert _paths(tree) <= {chain[:d] for d in range(1, 7)}
     assert chain[:5] in _paths(tree)
-    # A confident mask beats the weak chain's deeper tokens, not its first.
-    confident = _mask_logits({11: 0.97}, vocab=20)
-    tree = hybrid_next_tree(history, 1, confident, block_size=8, num_mask_tokens=1,
+    # A confident mask beats the chain's weaker deeper tokens, not its first.
+    confident = _mask_logits({11: 0.97}, vocab=40)
+    tree = hybrid_next_tree(history, 25, confident, block_size=6, num_mask_tokens=1,
                             candidates=("esp", "ngram"), mask_value=0.3)
-    assert (11,) in _paths(tree) and (4,) in _paths(tree)
-    assert (4, 5, 6, 7, 2, 3) not in _paths(tree)
+    assert (11,) in _paths(tree) and chain[:2] in _paths(tree)
+    assert chain[:5] not in _paths(tree)
 
 
 def test_a_confident_chain_fills_the_block_and_a_weak_one_keeps_masks():

@@ -119,18 +119,16 @@ def test_prompt_lookup_equals_plain_greedy(llama):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_hybrid_ngram_only_reproduces_prompt_lookup_steps(llama, seed):
-    """``candidates=["ngram"]`` is prompt lookup that prefers the occurrence
-    sharing the longest context. On the tiny model's loops that is also the
-    most recent occurrence, so it reproduces plain prompt lookup: same
-    tokens, same steps, same accepted count at every step."""
+def test_hybrid_ngram_only_keeps_prompt_lookup_output(llama, seed):
+    """``candidates=["ngram"]`` (lookup by the most frequent continuation)
+    keeps the output of plain prompt lookup, which is greedy decoding's, and
+    accepts drafts on the tiny model's loops."""
     config = ESPConfig(tree=None, block_complexity=22, candidates=("ngram",))
     decoder = ReferenceDecoder(llama, config)
     prompt = _prompt(seed)
     hybrid = decoder.esp(prompt, 40)
     lookup = decoder.prompt_lookup(prompt, 40, num_draft_tokens=config.node_budget)
     assert hybrid.tokens == lookup.tokens
-    assert hybrid.accepted_per_step == lookup.accepted_per_step
     assert sum(hybrid.accepted_per_step) > 0  # the tiny model loops: lookup accepts
 
 

@@ -50,8 +50,6 @@ from vllm_esp.core.hybrid import (
     ESP_WEIGHT,
     LOOKUP_ACCEPT,
     LOOKUP_MAX_CHAINS,
-    LOOKUP_MAX_NGRAM,
-    LOOKUP_MIN_NGRAM,
     MASK_VALUE,
     allocate_kernel,
     lookup_chains_kernel,
@@ -188,7 +186,7 @@ class HybridParams:
         return cls(int(block_size), int(num_mask_tokens) if use_esp else 0, use_esp,
                    "ngram" in candidates, math.log(esp_weight),
                    np.asarray(lookup_accept, np.float64), float(mask_value),
-                   LOOKUP_MAX_CHAINS if use_esp else 1)
+                   LOOKUP_MAX_CHAINS)
 
 
 @njit(cache=True)
@@ -232,9 +230,8 @@ def hybrid_tree_kernel(history, corpus_size, root_token, has_candidates, cand_to
     num_chains = 0
     if use_lookup and budget > 0:
         num_chains = lookup_chains_kernel(history, corpus_size, budget, max_chains,
-                                          LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM, lookup_accept,
-                                          chain_tokens, chain_scores, chain_lengths,
-                                          chain_sources)
+                                          lookup_accept, chain_tokens, chain_scores,
+                                          chain_lengths, chain_sources)
         for c in range(num_chains):
             for d in range(chain_lengths[c]):
                 chain_priors[c, d] = chain_scores[c, d]

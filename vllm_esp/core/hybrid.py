@@ -9,18 +9,19 @@ hold both and verification keeps whichever is right.
 
 Algorithm (one call per request per step):
 
-1. **Lookup candidates.** The longest suffix n-gram (``max_ngram`` down to
-   ``min_ngram``) with an earlier occurrence. Each occurrence's match is
-   extended backwards to the context it shares with the history's end
-   (``m`` tokens, up to 16), and the occurrence with the longest context
-   wins, the most recent among equals (like a suffix tree's deepest match).
-   Its continuation becomes a chain ``c_1 .. c_L`` (``L <= B``), and so do
-   the next occurrences' continuations that start with another token (up to
-   ``LOOKUP_MAX_CHAINS`` chains). Node ``c_d`` scores ``sum_{j<=d} log
+1. **Lookup candidates** (suffix decoding's path, by frequency). The
+   earlier occurrences of the history's last token, in the request's own
+   history and in earlier requests' answers (``AnswerCorpus``), each with
+   the context ``m`` it shares with the history's end (up to 16 tokens).
+   For every ``m`` they have, the occurrences sharing at least ``m`` tokens
+   vote token by token: the path takes the continuation most of them
+   share, for at most ``m`` tokens (a short context predicts a short
+   way), while the share ``f_d`` that agrees with the whole path is at
+   least ``LOOKUP_MIN_SHARE``. The path with the largest total share wins,
+   the own history's among equals. Node ``c_d`` scores ``sum_{j<=d} log
    q(m + j - 1) + log f_d``: ``q(m)`` is the measured chance that a lookup
    token is accepted after an ``m``-token context (accepting a token
-   lengthens it), and ``f_d`` the fraction of the occurrences sharing at
-   least that context whose continuation agrees with ``c_1..c_d``.
+   lengthens it).
 2. **ESP candidates.** The dynamic tree's candidates (paper Algorithm 1,
    ``esp_candidates``): cumulative mask log-probabilities, plus
    ``log ESP_WEIGHT`` (mask probabilities overstate acceptance).
@@ -39,19 +40,20 @@ Worked example, a block of 8 rows, ``k = 1``, ``q = (0, .25, .45, .6, .7,
 .75)``, ESP weight 0.5, mask value 0.3, history ``x the cat sat . the cat``
 (root ``cat``):
 
-    lookup: the 2-gram "the cat" occurred once, followed by "sat . the cat":
-            sat .45, "." .45*.6 = .27, the .27*.7 = .19, cat .19*.75 = .14
+    lookup: "cat" occurred once, after "the" like the history's end (2
+            tokens of context), followed by "sat .": a path of at most 2,
+            each with share 1: sat .45, "." .45*.6 = .27
     ESP:    mask top candidates is (p .5), sat (.3), was (.1), scaled by .5:
             is .25, sat .15, was .05
     merge:  "sat" is in both: one node, score max(.45, .15) = .45
-    allocate (per row): sat .45, "." .27, is .25, the .19, cat .14 (each
-            beats every node's masks, e.g. the root's .3 * (1 - .45) after
-            sat), then the root's masks (.3 * (1 - .45 - .25) = .09 beats
-            was's .05), then is's masks (.3 * .25 = .075 beats was's
-            .05 * (1 - .3), now that the root is masked)
+    allocate (per row): sat .45 (beats the root's masks, .3), "." .27 (beats
+            the root's .3 * (1 - .45)), is .25, then masks: the root's
+            (.3 * (1 - .45 - .25) = .09), "."'s (.3 * .27 = .081), is's
+            (.075), sat's (.3 * (.45 - .27) = .054), each beating was's
+            .05 * (1 - .3) = .035
 
-    tree:   cat -> {sat -> . -> the -> cat, is}, masks on cat (root) and is:
-            6 nodes + 2 mask rows = 8 rows
+    tree:   cat -> {sat -> ., is}, every node masked: 4 nodes + 4 mask rows
+            = 8 rows
 
 With only ``"ngram"`` the tree is the first lookup chain (step 1) of
 up to ``block_size - 1`` tokens (no masks); with only ``"esp"`` the hybrid is not used
@@ -108,15 +110,20 @@ LOOKUP_ACCEPT = (0.0, 0.23, 0.49, 0.655, 0.66, 0.77, 0.82, 0.82, 0.84, 0.84, 0.8
                  0.84, 0.9, 0.9, 0.92, 0.92, 0.96)
 # How many tokens of context lookup compares at most (the table's last entry).
 LOOKUP_MAX_CONTEXT = len(LOOKUP_ACCEPT) - 1
-# Occurrences whose continuations count for a chain's agreement, at most (the
-# longest contexts first): a frequent 1-gram can occur thousands of times.
+# Occurrences that vote on a lookup path, at most, per source (the longest
+# contexts first): a frequent token can occur thousands of times.
 LOOKUP_MAX_PEERS = 64
+# A lookup path stops where less than this share of its occurrences agree
+# with it (suffix decoding's min_token_prob default).
+LOOKUP_MIN_SHARE = 0.1
 # Mask probabilities overstate acceptance: a level-1 candidate with mask
 # probability p was the next token about 0.35 p of the time (same script).
 ESP_WEIGHT = 0.35
-# Lookup chains per step beside ESP: the most recent occurrence's, and those
-# of older occurrences that continue differently.
-LOOKUP_MAX_CHAINS = 3
+# Lookup chains per step: the better of the own history's and the answer
+# corpus's paths. A second chain (the other source's) bought fewer tokens
+# per row in a replay of greedy answers to Spec-Bench questions 3-4
+# (docs/results.md, "Lookup by frequency").
+LOOKUP_MAX_CHAINS = 1
 # Expected extra tokens that ESP candidates bring to the next step, per unit
 # of probability that a node is the last accepted one. Mask rows go where
 # this beats another draft node (``allocate_block``). Chosen with the
@@ -191,76 +198,145 @@ def lookup_occurrences_kernel(history, max_ngram, min_ngram, max_context, starts
 
 
 @njit(cache=True)
-def lookup_chains_kernel(history, corpus_size, node_budget, max_chains, max_ngram,
-                         min_ngram, lookup_accept, chain_tokens, chain_scores,
-                         chain_lengths, chain_sources):
-    """Prompt-lookup chains into ``chain_tokens/chain_scores`` (rows of
-    ``node_budget``; the root excluded): the continuations of the longest
-    matching n-gram's occurrences, the one sharing the longest context first
-    (``lookup_occurrences_kernel``), one per distinct first token, at most
-    ``max_chains``. Node ``d`` of a chain whose occurrence shares ``m``
-    tokens of context scores ``sum_{j <= d} log q(m + j - 1) + log f_d``
-    (see the module docstring). Returns the number of chains.
+def frequency_path_kernel(history, starts, contexts, count, node_budget, lookup_accept,
+                          path_tokens, path_scores):
+    """The most frequent continuation of some of the history's contexts
+    (suffix decoding's path, see the module docstring), into
+    ``path_tokens/path_scores``; returns ``(length, total share)``.
 
-    ``history`` may start with an answer corpus (``corpus_size`` tokens,
-    earlier requests' answers each followed by a -1 separator): chains stop
-    at a separator, and ``chain_sources`` says where each chain came from
-    (``SOURCE_CORPUS`` or ``SOURCE_LOOKUP``)."""
+    ``starts/contexts[:count]``: occurrences of the history's last token
+    (where each continuation starts, how many tokens of context it shares
+    with the history's end), the longest context first. For each context
+    length ``m`` they have, the occurrences sharing at least ``m`` tokens
+    (a prefix of the list) vote token by token: the path takes the
+    continuation most of them share (the earliest listed among ties), for
+    at most ``m`` tokens, while the share ``f_d`` that agrees with the whole
+    path so far is at least ``LOOKUP_MIN_SHARE``. The ``m`` whose path has
+    the largest total share wins, the longer context among equals. Node
+    ``d`` scores ``sum_{j <= d} log q(m + j - 1) + log f_d``."""
     size = history.shape[0]
     table_size = lookup_accept.shape[0]
+    alive = np.empty(max(count, 1), np.bool_)
+    tokens_here = np.empty(max(count, 1), np.int64)
+    best_length = 0
+    best_total = 0.0
+    end = count
+    while end > 0:
+        context = contexts[end - 1]
+        # members: the occurrences sharing at least `context` tokens.
+        members = end
+        while end > 0 and contexts[end - 1] == context:
+            end -= 1
+        limit = min(node_budget, context)
+        for j in range(members):
+            alive[j] = True
+        total = 0.0
+        log_accept = 0.0
+        length = 0
+        for d in range(limit):
+            for j in range(members):
+                position = starts[j] + d
+                tokens_here[j] = history[position] if (alive[j] and position < size) else -1
+            best_token = -1
+            best_votes = 0
+            for j in range(members):
+                token = tokens_here[j]
+                if token < 0 or token == best_token:
+                    continue
+                votes = 0
+                for other in range(j, members):
+                    if tokens_here[other] == token:
+                        votes += 1
+                if votes > best_votes:
+                    best_token = token
+                    best_votes = votes
+            share = best_votes / members
+            if best_token < 0 or share < LOOKUP_MIN_SHARE:
+                break
+            for j in range(members):
+                alive[j] = tokens_here[j] == best_token
+            log_accept += math.log(lookup_accept[min(context + d, table_size - 1)])
+            path_tokens[d] = best_token
+            path_scores[d] = np.float32(log_accept + math.log(share))
+            total += share
+            length += 1
+        if total > best_total:
+            best_total = total
+            best_length = length
+            # Kept in the slots past node_budget until a better path comes.
+            for d in range(length):
+                path_tokens[node_budget + d] = path_tokens[d]
+                path_scores[node_budget + d] = path_scores[d]
+    for d in range(best_length):
+        path_tokens[d] = path_tokens[node_budget + d]
+        path_scores[d] = path_scores[node_budget + d]
+    return best_length, best_total
+
+
+@njit(cache=True)
+def lookup_chains_kernel(history, corpus_size, node_budget, max_chains, lookup_accept,
+                         chain_tokens, chain_scores, chain_lengths, chain_sources):
+    """Lookup chains into ``chain_tokens/chain_scores`` (rows of
+    ``node_budget``; the root excluded): the most frequent continuation
+    (``frequency_path_kernel``) among the occurrences in the request's own
+    history and, separately, among those in the answer corpus; the larger
+    total share first (the own history's among equals), the other one
+    second if ``max_chains`` allows and it starts with another token.
+    Returns the number of chains.
+
+    ``history`` may start with an answer corpus (``corpus_size`` tokens,
+    earlier requests' answers each followed by a -1 separator): paths stop
+    at a separator, and ``chain_sources`` says where each chain came from
+    (``SOURCE_LOOKUP`` or ``SOURCE_CORPUS``)."""
+    size = history.shape[0]
     starts = np.empty(max(size, 1), np.int64)
     contexts = np.empty(max(size, 1), np.int64)
-    num_matches = lookup_occurrences_kernel(history, max_ngram, min_ngram,
-                                            table_size - 1, starts, contexts)
-    agrees = np.empty(min(num_matches, LOOKUP_MAX_PEERS), np.bool_)
+    num_matches = lookup_occurrences_kernel(history, 1, 1, lookup_accept.shape[0] - 1,
+                                            starts, contexts)
+    own_starts = np.empty(min(num_matches, LOOKUP_MAX_PEERS), np.int64)
+    own_contexts = np.empty_like(own_starts)
+    corpus_starts = np.empty_like(own_starts)
+    corpus_contexts = np.empty_like(own_starts)
+    num_own = 0
+    num_corpus = 0
+    # The LOOKUP_MAX_PEERS longest contexts of each source vote; occurrences
+    # followed by a separator have no continuation.
+    for i in range(num_matches):
+        if history[starts[i]] < 0:
+            continue
+        if starts[i] >= corpus_size and num_own < own_starts.shape[0]:
+            own_starts[num_own] = starts[i]
+            own_contexts[num_own] = contexts[i]
+            num_own += 1
+        elif starts[i] < corpus_size and num_corpus < corpus_starts.shape[0]:
+            corpus_starts[num_corpus] = starts[i]
+            corpus_contexts[num_corpus] = contexts[i]
+            num_corpus += 1
+    own_tokens = np.empty(2 * node_budget, np.int64)
+    own_scores = np.empty(2 * node_budget, np.float32)
+    corpus_tokens = np.empty(2 * node_budget, np.int64)
+    corpus_scores = np.empty(2 * node_budget, np.float32)
+    own_length, own_total = frequency_path_kernel(
+        history, own_starts, own_contexts, num_own, node_budget, lookup_accept,
+        own_tokens, own_scores)
+    corpus_length, corpus_total = frequency_path_kernel(
+        history, corpus_starts, corpus_contexts, num_corpus, node_budget, lookup_accept,
+        corpus_tokens, corpus_scores)
     num_chains = 0
-    for occurrence in range(num_matches):
-        if num_chains == max_chains:
-            break
-        start = starts[occurrence]
-        context = contexts[occurrence]
-        length = min(node_budget, size - start)
-        for d in range(length):
-            if history[start + d] < 0:
-                length = d
-                break
-        if length == 0:
+    for rank in range(2):
+        own_first = (own_total >= corpus_total) == (rank == 0)
+        length = own_length if own_first else corpus_length
+        if num_chains == max_chains or length == 0:
             continue
-        first = history[start]
-        seen = False
-        for c in range(num_chains):
-            if chain_tokens[c, 0] == first:
-                seen = True
-        if seen:
+        tokens = own_tokens if own_first else corpus_tokens
+        scores = own_scores if own_first else corpus_scores
+        if num_chains == 1 and chain_tokens[0, 0] == tokens[0]:
             continue
-        # Agreement is counted among the occurrences that share at least
-        # this chain's context (the others are weaker evidence), the
-        # LOOKUP_MAX_PEERS best of them.
-        peers = 0
-        while (peers < num_matches and peers < LOOKUP_MAX_PEERS
-               and contexts[peers] >= context):
-            peers += 1
-        # Past the cap, the chain's own occurrence is counted on top.
-        outside = 1 if occurrence >= peers else 0
-        for other in range(peers):
-            agrees[other] = True
-        log_accept = 0.0
         for d in range(length):
-            # Share of those occurrences whose continuation agrees up to d.
-            agree = 0
-            for other in range(peers):
-                if agrees[other]:
-                    position = starts[other] + d
-                    agrees[other] = (position < size
-                                     and history[position] == history[start + d])
-                    if agrees[other]:
-                        agree += 1
-            log_accept += math.log(lookup_accept[min(context + d, table_size - 1)])
-            chain_tokens[num_chains, d] = history[start + d]
-            chain_scores[num_chains, d] = np.float32(
-                log_accept + math.log((agree + outside) / (peers + outside)))
+            chain_tokens[num_chains, d] = tokens[d]
+            chain_scores[num_chains, d] = scores[d]
         chain_lengths[num_chains] = length
-        chain_sources[num_chains] = SOURCE_CORPUS if start < corpus_size else SOURCE_LOOKUP
+        chain_sources[num_chains] = SOURCE_LOOKUP if own_first else SOURCE_CORPUS
         num_chains += 1
     return num_chains
 
@@ -436,17 +512,15 @@ def lookup_occurrences(token_ids: np.ndarray, max_ngram: int = LOOKUP_MAX_NGRAM,
     return starts[:count].copy(), contexts[:count].copy()
 
 
-def lookup_chains(token_ids: np.ndarray, node_budget: int, max_chains: int = 1,
-                  max_ngram: int = LOOKUP_MAX_NGRAM,
-                  min_ngram: int = LOOKUP_MIN_NGRAM,
+def lookup_chains(token_ids: np.ndarray, node_budget: int,
+                  max_chains: int = LOOKUP_MAX_CHAINS,
                   lookup_accept: Sequence[float] = LOOKUP_ACCEPT,
                   corpus: np.ndarray | None = None,
                   ) -> list[ScoredCandidates]:
-    """Prompt-lookup chains as scored candidates (each root first): the
-    continuations of the longest matching n-gram's occurrences, the longest
-    shared context first, one per distinct first token, at most
-    ``max_chains``. ``corpus``: an answer corpus (``AnswerCorpus.tokens``)
-    searched before the history."""
+    """Lookup chains as scored candidates (each root first): the most
+    frequent continuation in the request's own history and in ``corpus``
+    (an answer corpus, ``AnswerCorpus.tokens``), the better one first, at
+    most ``max_chains`` (``lookup_chains_kernel``)."""
     history = np.asarray(token_ids, dtype=np.int64)
     corpus_size = 0
     if corpus is not None and len(corpus):
@@ -457,10 +531,9 @@ def lookup_chains(token_ids: np.ndarray, node_budget: int, max_chains: int = 1,
     chain_scores = np.empty((max_chains, budget), np.float32)
     chain_lengths = np.empty(max_chains, np.int64)
     chain_sources = np.empty(max_chains, np.int8)
-    num_chains = lookup_chains_kernel(history, corpus_size, budget, max_chains, max_ngram,
-                                      min_ngram, _lookup_accept(lookup_accept),
-                                      chain_tokens, chain_scores, chain_lengths,
-                                      chain_sources)
+    num_chains = lookup_chains_kernel(history, corpus_size, budget, max_chains,
+                                      _lookup_accept(lookup_accept), chain_tokens,
+                                      chain_scores, chain_lengths, chain_sources)
     root = int(history[-1])
     chains = []
     for c in range(num_chains):
@@ -476,12 +549,10 @@ def lookup_chains(token_ids: np.ndarray, node_budget: int, max_chains: int = 1,
 
 
 def lookup_candidates(token_ids: np.ndarray, node_budget: int,
-                      max_ngram: int = LOOKUP_MAX_NGRAM,
-                      min_ngram: int = LOOKUP_MIN_NGRAM,
                       lookup_accept: Sequence[float] = LOOKUP_ACCEPT,
                       ) -> ScoredCandidates | None:
-    """The most recent occurrence's chain (pure prompt lookup), or None."""
-    chains = lookup_chains(token_ids, node_budget, 1, max_ngram, min_ngram, lookup_accept)
+    """The request's own lookup chain, or None."""
+    chains = lookup_chains(token_ids, node_budget, 1, lookup_accept)
     return chains[0] if chains else None
 
 
