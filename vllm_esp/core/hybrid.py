@@ -293,50 +293,42 @@ def lookup_chains_kernel(history, corpus_size, node_budget, max_chains, lookup_a
     contexts = np.empty(max(size, 1), np.int64)
     num_matches = lookup_occurrences_kernel(history, 1, 1, lookup_accept.shape[0] - 1,
                                             starts, contexts)
-    own_starts = np.empty(min(num_matches, LOOKUP_MAX_PEERS), np.int64)
-    own_contexts = np.empty_like(own_starts)
-    corpus_starts = np.empty_like(own_starts)
-    corpus_contexts = np.empty_like(own_starts)
-    num_own = 0
-    num_corpus = 0
-    # The LOOKUP_MAX_PEERS longest contexts of each source vote; occurrences
-    # followed by a separator have no continuation.
+    # Per source (0: the own history, 1: the answer corpus), the
+    # LOOKUP_MAX_PEERS longest contexts vote; occurrences followed by a
+    # separator have no continuation.
+    cap = min(num_matches, LOOKUP_MAX_PEERS)
+    voter_starts = np.empty((2, max(cap, 1)), np.int64)
+    voter_contexts = np.empty((2, max(cap, 1)), np.int64)
+    num_voters = np.zeros(2, np.int64)
     for i in range(num_matches):
-        if history[starts[i]] < 0:
+        source = 1 if starts[i] < corpus_size else 0
+        if history[starts[i]] < 0 or num_voters[source] == cap:
             continue
-        if starts[i] >= corpus_size and num_own < own_starts.shape[0]:
-            own_starts[num_own] = starts[i]
-            own_contexts[num_own] = contexts[i]
-            num_own += 1
-        elif starts[i] < corpus_size and num_corpus < corpus_starts.shape[0]:
-            corpus_starts[num_corpus] = starts[i]
-            corpus_contexts[num_corpus] = contexts[i]
-            num_corpus += 1
-    own_tokens = np.empty(2 * node_budget, np.int64)
-    own_scores = np.empty(2 * node_budget, np.float32)
-    corpus_tokens = np.empty(2 * node_budget, np.int64)
-    corpus_scores = np.empty(2 * node_budget, np.float32)
-    own_length, own_total = frequency_path_kernel(
-        history, own_starts, own_contexts, num_own, node_budget, lookup_accept,
-        own_tokens, own_scores)
-    corpus_length, corpus_total = frequency_path_kernel(
-        history, corpus_starts, corpus_contexts, num_corpus, node_budget, lookup_accept,
-        corpus_tokens, corpus_scores)
+        voter_starts[source, num_voters[source]] = starts[i]
+        voter_contexts[source, num_voters[source]] = contexts[i]
+        num_voters[source] += 1
+    path_tokens = np.empty((2, 2 * node_budget), np.int64)
+    path_scores = np.empty((2, 2 * node_budget), np.float32)
+    lengths = np.zeros(2, np.int64)
+    totals = np.zeros(2)
+    for source in range(2):
+        lengths[source], totals[source] = frequency_path_kernel(
+            history, voter_starts[source], voter_contexts[source], num_voters[source],
+            node_budget, lookup_accept, path_tokens[source], path_scores[source])
     num_chains = 0
-    for rank in range(2):
-        own_first = (own_total >= corpus_total) == (rank == 0)
-        length = own_length if own_first else corpus_length
+    # The larger total share first, the own history's among equals.
+    first = 0 if totals[0] >= totals[1] else 1
+    for source in (first, 1 - first):
+        length = lengths[source]
         if num_chains == max_chains or length == 0:
             continue
-        tokens = own_tokens if own_first else corpus_tokens
-        scores = own_scores if own_first else corpus_scores
-        if num_chains == 1 and chain_tokens[0, 0] == tokens[0]:
+        if num_chains == 1 and chain_tokens[0, 0] == path_tokens[source, 0]:
             continue
         for d in range(length):
-            chain_tokens[num_chains, d] = tokens[d]
-            chain_scores[num_chains, d] = scores[d]
+            chain_tokens[num_chains, d] = path_tokens[source, d]
+            chain_scores[num_chains, d] = path_scores[source, d]
         chain_lengths[num_chains] = length
-        chain_sources[num_chains] = SOURCE_LOOKUP if own_first else SOURCE_CORPUS
+        chain_sources[num_chains] = SOURCE_CORPUS if source == 1 else SOURCE_LOOKUP
         num_chains += 1
     return num_chains
 
