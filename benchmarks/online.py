@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Online workload: ``vllm serve`` on 127.0.0.1 and a bounded load client.
 
-One server per method (the venv's ``vllm`` command, a free port, started as
-a subprocess in its own process group, stopped with SIGTERM then SIGKILL).
-For each concurrency level ``c`` the client sends every prompt once, at most
+One server per call (the venv's ``vllm`` command, a free port, started as
+a subprocess in its own process group, stopped with SIGTERM then SIGKILL);
+``benchmarks.spec_bench`` calls once per method and level. For each
+concurrency level ``c`` the client sends every prompt once, at most
 ``c`` requests in flight, to ``/v1/completions`` with the prompt as token ids
 (so online prompts equal offline prompts), greedy, streaming, with
 ``return_token_ids`` and ``stream_options.include_usage`` so that the final
@@ -16,7 +17,7 @@ first request to the last answer, and vLLM's ``vllm:spec_decode_*_total``
 counters scraped from ``/metrics`` before and after (tau online).
 
 Methods with cross-request state (suffix decoding) get a fresh server per
-concurrency level.
+concurrency level even when one call has several.
 """
 
 from __future__ import annotations
@@ -315,7 +316,7 @@ def run_online(method: Method, model: str, prompts: list[Prompt],
     groups = ([[c] for c in concurrencies] if method.cross_request_state
               else [list(concurrencies)])
     for group in groups:
-        suffix = f"-c{group[0]}" if method.cross_request_state else ""
+        suffix = f"-c{group[0]}" if len(group) == 1 else ""
         log_path = log_dir / f"serve-{method.name}{suffix}.log"
         started = time.monotonic()
         server = start_server(model, method, options, max(group), log_path)

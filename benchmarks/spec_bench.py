@@ -13,6 +13,11 @@
 Every method runs in its own fresh vLLM engine on the same prompts:
 Spec-Bench first turns with the model's chat template (1 per category by
 default, all 13 categories), greedy, ``--max-tokens`` new tokens.
+Passes run level by level (every method at batch size 1, then every method
+at the next, ...), so that a method and the ``none`` it is compared with run
+minutes apart, not a whole matrix apart: a small shared machine's speed
+drifts by 10% and more over tens of minutes (docs/results.md, "ESP at b8
+under the benchmark's own engine").
 
 * offline: ``LLM.generate`` over the whole set on an engine with
   ``max_num_seqs`` b, for each ``--batch-sizes`` entry b (default 1 and
@@ -228,6 +233,50 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def pass_schedule(batch_sizes: list[int], concurrency: list[int]
+                  ) -> list[tuple[str, int]]:
+    """The order of the levels, each run by every method in turn before the
+    next level starts: offline batch sizes, then online concurrency levels.
+
+    >>> pass_schedule([1, 8], [4])
+    [('offline', 1), ('offline', 8), ('online', 4)]
+    """
+    return ([("offline", level) for level in batch_sizes]
+            + [("online", level) for level in concurrency])
+
+
+def run_levels(methods: list, schedule: list[tuple[str, int]], run_pass,
+               method_info: dict[str, dict], checkpoint=None) -> list:
+    """Every method at each level of ``schedule`` in turn: ``run_pass(method,
+    workload, level)`` returns that level's passes. A method that raises is
+    marked failed in ``method_info`` (its earlier levels are kept) and skips
+    the later levels; the other methods go on. ``checkpoint(passes)`` after
+    every level."""
+    from benchmarks import report
+
+    passes: list = []
+    for workload, level in schedule:
+        for method in methods:
+            info = method_info[method.name]
+            if info.get("status") == "failed":
+                continue
+            started = time.monotonic()
+            try:
+                passes += run_pass(method, workload, level)
+            except Exception as error:  # keep going: one broken method must not
+                import traceback  # cost the other results
+                traceback.print_exc()
+                info.update(status="failed",
+                            reason=f"{type(error).__name__}: {str(error)[:2000]}")
+                print(f"\n{report.LOUD}\n!!! METHOD FAILED: {method.name} at {workload} "
+                      f"{level}: {error}\n{report.LOUD}", flush=True)
+            info["seconds_total"] = round(info.get("seconds_total", 0.0)
+                                          + time.monotonic() - started, 1)
+        if checkpoint is not None:
+            checkpoint(passes)
+    return passes
+
+
 def correct_cut_last_steps(method, passes, prompts) -> None:
     """Exact accepted counts for vLLM's ngram (the harness decodes greedily):
     vLLM also counts drafts accepted past max_tokens / a stop token, which
@@ -352,41 +401,34 @@ def main(argv=None) -> int:
             runnable.append(m)
         method_info[m.name] = info
 
-    levels = (len(args.batch_sizes) if run_offline_pass else 0) + \
-        (len(args.concurrency) if run_online_pass else 0)
-    bar = tqdm(total=len(runnable) * levels * len(prompts), unit="req",
+    schedule = pass_schedule(args.batch_sizes if run_offline_pass else [],
+                             args.concurrency if run_online_pass else [])
+    bar = tqdm(total=len(runnable) * len(schedule) * len(prompts), unit="req",
                desc="benchmark", dynamic_ncols=True)
-    passes = []
-    started = time.monotonic()
-    for m in runnable:
-        method_started = time.monotonic()
-        try:
-            method_passes = []
-            if run_offline_pass:
-                bar.set_description(f"{m.name} offline")
-                method_passes += run_offline(m, model, prompts, args.batch_sizes, sampling,
-                                             warmup_ids, llm_options, progress=bar.update)
-            if run_online_pass:
-                bar.set_description(f"{m.name} online")
-                method_passes += run_online(m, model, prompts, args.concurrency,
-                                            args.max_tokens, args.ignore_eos, warmup_ids,
-                                            llm_options, log_dir, progress=bar.update)
-            correct_cut_last_steps(m, method_passes, prompts)
-            passes += method_passes
-        except Exception as error:  # keep going: one broken method must not
-            import traceback  # cost the other results
-            traceback.print_exc()
-            method_info[m.name].update(status="failed", reason=f"{type(error).__name__}: "
-                                       f"{str(error)[:2000]}")
-            print(f"\n{report.LOUD}\n!!! METHOD FAILED: {m.name}: {error}\n{report.LOUD}",
-                  flush=True)
-        method_info[m.name]["seconds_total"] = round(time.monotonic() - method_started, 1)
-        _print_method_line(m.name, [p for p in passes if p.method == m.name])
-        # A checkpoint: an interrupted run keeps the methods it finished.
+
+    def run_pass(m, workload: str, level: int) -> list:
+        bar.set_description(f"{m.name} {workload} {level}")
+        if workload == "offline":
+            level_passes = run_offline(m, model, prompts, [level], sampling, warmup_ids,
+                                       llm_options, progress=bar.update)
+        else:
+            level_passes = run_online(m, model, prompts, [level], args.max_tokens,
+                                      args.ignore_eos, warmup_ids, llm_options, log_dir,
+                                      progress=bar.update)
+        correct_cut_last_steps(m, level_passes, prompts)
+        return level_passes
+
+    def checkpoint(passes_so_far: list) -> None:
+        # An interrupted run keeps the levels it finished.
         partial = report.build_results({**meta, "partial": True}, config, prompt_info,
-                                       method_info, passes,
+                                       method_info, passes_so_far,
                                        include_tokens=args.save_outputs)
         report.write_json(partial, out_dir / "results.partial.json")
+
+    started = time.monotonic()
+    passes = run_levels(runnable, schedule, run_pass, method_info, checkpoint)
+    for m in runnable:
+        _print_method_line(m.name, [p for p in passes if p.method == m.name])
     bar.close()
     meta["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     meta["seconds_total"] = round(time.monotonic() - started, 1)

@@ -665,3 +665,32 @@ def test_missing_spec_bench_stops_at_once_with_where_to_get_it(module, tmp_path,
     message = str(stop.value)
     assert message.startswith("error: Spec-Bench questions not found at " + str(missing))
     assert "--dataset PATH" in message and "VLLM_ESP_SPEC_BENCH" in message
+
+
+def test_levels_run_one_after_another_with_every_method_in_each():
+    """Every method runs a level before any method runs the next, so that a
+    method and its ``none`` are timed minutes apart; a method that fails is
+    marked failed, keeps its earlier levels and skips the later ones."""
+    from benchmarks import spec_bench
+
+    schedule = spec_bench.pass_schedule([1, 8], [4])
+    assert schedule == [("offline", 1), ("offline", 8), ("online", 4)]
+    runnable = [methods.METHODS[name] for name in ("none", "esp", "suffix")]
+    info = {m.name: {"status": "ran"} for m in runnable}
+    calls, checkpoints = [], []
+
+    def run_pass(method, workload, level):
+        calls.append((workload, level, method.name))
+        if method.name == "esp" and level == 8:
+            raise RuntimeError("engine died")
+        return [(method.name, workload, level)]
+
+    passes = spec_bench.run_levels(runnable, schedule, run_pass, info,
+                                   lambda done: checkpoints.append(len(done)))
+    assert calls == [("offline", 1, "none"), ("offline", 1, "esp"), ("offline", 1, "suffix"),
+                     ("offline", 8, "none"), ("offline", 8, "esp"), ("offline", 8, "suffix"),
+                     ("online", 4, "none"), ("online", 4, "suffix")]
+    assert ("esp", "offline", 1) in passes and len(passes) == 7
+    assert info["esp"]["status"] == "failed" and "engine died" in info["esp"]["reason"]
+    assert info["none"]["status"] == info["suffix"]["status"] == "ran"
+    assert checkpoints == [3, 5, 7]
