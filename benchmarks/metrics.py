@@ -491,6 +491,11 @@ class PassResult:
     # ESP's worker row counts over the pass (``esp_row_counts``): its
     # per-request metrics count tree nodes, not mask rows.
     row_counts: dict[str, int] | None = None
+    # Which round of its level this pass was (``--rounds``); a pass pooled
+    # from several rounds (``report.pool_rounds``) lists each round's
+    # seconds and output tokens in ``round_figures`` instead.
+    round: int = 0
+    round_figures: list[dict[str, float]] | None = None
 
     @property
     def key(self) -> str:

@@ -21,18 +21,70 @@ LOUD = "!" * 78
 # ---------------------------------------------------------------- match check
 def check_matches(passes: Sequence[PassResult]) -> dict[tuple[str, str], MatchResult]:
     """Compare every non-baseline pass with the baseline pass of the same
-    workload and level (falling back to the baseline's first pass when that
-    one is missing). Keys: (method, pass key)."""
-    baseline = {p.key: p for p in passes if p.method == BASELINE}
+    workload, level and round (falling back to the baseline's other rounds
+    at that level, then to its first pass). Keys: (method, pass key); the
+    rounds of one method and level add up into one result."""
+    baseline: dict[tuple[str, int], PassResult] = {}
+    for p in passes:
+        if p.method == BASELINE:
+            baseline.setdefault((p.key, p.round), p)
+            baseline.setdefault((p.key, -1), p)
     first = next(iter(baseline.values()), None)
-    results = {}
+    results: dict[tuple[str, str], MatchResult] = {}
     for p in passes:
         if p.method == BASELINE:
             continue
-        reference = baseline.get(p.key, first)
-        if reference is not None:
-            results[(p.method, p.key)] = compare_outputs(reference.records, p.records)
+        reference = baseline.get((p.key, p.round), baseline.get((p.key, -1), first))
+        if reference is None:
+            continue
+        match = compare_outputs(reference.records, p.records)
+        total = results.get((p.method, p.key))
+        if total is not None:
+            match = MatchResult(total.compared + match.compared,
+                                total.matched + match.matched,
+                                total.mismatches + match.mismatches,
+                                sorted(set(total.missing) | set(match.missing)))
+        results[(p.method, p.key)] = match
     return results
+
+
+def pool_rounds(passes: Sequence[PassResult]) -> list[PassResult]:
+    """One pass per method and level: the rounds of a level (``--rounds``)
+    pooled, in the order the levels first appear. A pooled pass's seconds,
+    requests, counters and worker row counts are the rounds' sums, so its
+    tokens per second is all rounds' output tokens over all their seconds;
+    ``round_figures`` keeps each round's own seconds and output tokens. A
+    level run once is returned as it is."""
+    groups: dict[tuple[str, str], list[PassResult]] = {}
+    for p in passes:
+        groups.setdefault((p.method, p.key), []).append(p)
+    pooled = []
+    for group in groups.values():
+        if len(group) == 1:
+            pooled.append(group[0])
+            continue
+        first = group[0]
+        counters: dict[str, float] = {}
+        for p in group:
+            for name, value in p.counters.items():
+                counters[name] = counters.get(name, 0.0) + value
+        row_counts = None
+        if all(p.row_counts is not None for p in group):
+            row_counts = {name: sum(p.row_counts.get(name, 0) for p in group)
+                          for name in first.row_counts}
+        startups = [p.startup_seconds for p in group if p.startup_seconds is not None]
+        pooled.append(PassResult(
+            method=first.method, workload=first.workload, level=first.level,
+            seconds=sum(p.seconds for p in group),
+            records=[r for p in group for r in p.records],
+            counters=counters,
+            notes=[f"round {p.round + 1}: {note}" for p in group for note in p.notes],
+            startup_seconds=sum(startups) / len(startups) if startups else None,
+            row_counts=row_counts,
+            round_figures=[{"round": p.round, "seconds": round(p.seconds, 3),
+                            "output_tokens": sum(r.num_output_tokens for r in p.records)}
+                           for p in group]))
+    return pooled
 
 
 def baseline_consistency(passes: Sequence[PassResult]) -> dict[str, MatchResult]:
@@ -42,7 +94,8 @@ def baseline_consistency(passes: Sequence[PassResult]) -> dict[str, MatchResult]
     own = [p for p in passes if p.method == BASELINE]
     if len(own) < 2:
         return {}
-    return {p.key: compare_outputs(own[0].records, p.records) for p in own[1:]}
+    return {p.key if p.round == 0 else f"{p.key} round {p.round + 1}":
+            compare_outputs(own[0].records, p.records) for p in own[1:]}
 
 
 def mismatch_banner(method: str, key: str, match: MatchResult) -> str:
@@ -66,11 +119,11 @@ def build_results(meta: dict, config: dict, prompts: list[dict], methods: dict,
     matches = check_matches(passes)
     consistency = baseline_consistency(passes)
     out_passes = []
-    for p in passes:
+    for p in pool_rounds(passes):
         match = matches.get((p.method, p.key))
         out_passes.append({
             "method": p.method, "workload": p.workload, "level": p.level,
-            "key": p.key, "notes": p.notes,
+            "key": p.key, "notes": p.notes, "rounds": p.round_figures,
             "startup_seconds": None if p.startup_seconds is None else round(p.startup_seconds, 1),
             "summary": p.summary(),
             "match_vs_baseline": match.to_json() if match else None,
@@ -157,6 +210,13 @@ def render_markdown(results: dict) -> str:
         f"{', ignore_eos' if config.get('ignore_eos') else ''}",
         f"- machine: {meta.get('machine', {}).get('summary', '?')}; load average "
         f"at start {meta.get('loadavg_start')}, at end {meta.get('loadavg_end')}",
+    ]
+    if (config.get("rounds") or 1) > 1:
+        lines.append(
+            f"- rounds: {config['rounds']} per level, the methods' order reversed "
+            "every other round; seconds and requests pooled over the rounds "
+            "(each round's speed-up: the Rounds section)")
+    lines += [
         "",
         "tau = 1 + accepted / verification steps with drafts (vLLM's mean "
         "acceptance length). tok/step = output tokens per decode step, every "
@@ -284,6 +344,7 @@ def render_markdown(results: dict) -> str:
                 _fmt(s.get("tpot_mean_ms"), 1), match,
                 _fmt(p.get("startup_seconds"), 0)]) + " |")
     lines.append("")
+    lines += _rounds_section(by_method)
 
     # Notes.
     notes = []
@@ -308,6 +369,30 @@ def render_markdown(results: dict) -> str:
 
 
 # ---------------------------------------------------------------------- plots
+def _rounds_section(by_method: dict[str, dict[str, dict]]) -> list[str]:
+    """Each round's speed-up over the same round's `none`, for levels run
+    in several rounds: how far the machine drifted between them."""
+    base = by_method.get(BASELINE, {})
+    rows = []
+    for method, passes in by_method.items():
+        if method == BASELINE:
+            continue
+        for key, p in passes.items():
+            mine, theirs = p.get("rounds"), base.get(key, {}).get("rounds")
+            if not mine or not theirs:
+                continue
+            reference = {r["round"]: r["output_tokens"] / r["seconds"] for r in theirs}
+            cells = [f"{r['output_tokens'] / r['seconds'] / reference[r['round']]:.2f}x"
+                     if r["round"] in reference else "-" for r in mine]
+            rows.append(f"| `{method}` | {key} | {' / '.join(cells)} |")
+    if not rows:
+        return []
+    return ["## Rounds", "",
+            "Each round's speed-up over `none` in the same round (the tables "
+            "above pool the rounds).", "",
+            "| method | pass | speed-up per round |", "|---|---|---|"] + rows + [""]
+
+
 def write_plots(results: dict, out_dir: Path) -> list[Path]:
     import matplotlib
 

@@ -109,6 +109,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--prefix-caching", action="store_true",
         help="enable vLLM prefix caching (off by default: passes repeat the "
              "same prompts, and cached prefills would favour later passes)")
+    add("--rounds", type=int, default=1, metavar="N",
+        help="run every method N times at each level, in reversed order every "
+             "other round (none, esp, suffix; suffix, esp, none; ...), and pool "
+             "the rounds' seconds and requests: the machine's speed drifts "
+             "within minutes, and this spreads the drift over the methods")
     add("--seed", type=int, default=0)
     add("--out", default=None, help="results folder (default: "
         "benchmarks/results/<timestamp>)")
@@ -122,6 +127,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.batch_sizes = sorted({1, args.max_num_seqs})
     if min(args.batch_sizes + args.concurrency) < 1:
         parser.error("batch sizes and concurrency levels must be >= 1")
+    if args.rounds < 1:
+        parser.error(f"--rounds: at least 1, got {args.rounds}")
     return args
 
 
@@ -245,33 +252,47 @@ def pass_schedule(batch_sizes: list[int], concurrency: list[int]
             + [("online", level) for level in concurrency])
 
 
+def round_order(methods: list, round_index: int) -> list:
+    """The methods' order in a round: as given in even rounds, reversed in
+    odd ones, so that over two rounds every method sits as often early as
+    late in a level and a drift of the machine's speed within the level
+    weighs on all of them alike.
+
+    >>> round_order(["none", "esp", "suffix"], 1)
+    ['suffix', 'esp', 'none']
+    """
+    return list(methods) if round_index % 2 == 0 else list(methods)[::-1]
+
+
 def run_levels(methods: list, schedule: list[tuple[str, int]], run_pass,
-               method_info: dict[str, dict], checkpoint=None) -> list:
-    """Every method at each level of ``schedule`` in turn: ``run_pass(method,
-    workload, level)`` returns that level's passes. A method that raises is
-    marked failed in ``method_info`` (its earlier levels are kept) and skips
-    the later levels; the other methods go on. ``checkpoint(passes)`` after
-    every level."""
+               method_info: dict[str, dict], checkpoint=None, rounds: int = 1) -> list:
+    """Every method at each level of ``schedule`` in turn, ``rounds`` times
+    per level (``round_order``): ``run_pass(method, workload, level,
+    round_index)`` returns that round's passes. A method that raises is
+    marked failed in ``method_info`` (its earlier passes are kept) and skips
+    the later rounds and levels; the other methods go on.
+    ``checkpoint(passes)`` after every level."""
     from benchmarks import report
 
     passes: list = []
     for workload, level in schedule:
-        for method in methods:
-            info = method_info[method.name]
-            if info.get("status") == "failed":
-                continue
-            started = time.monotonic()
-            try:
-                passes += run_pass(method, workload, level)
-            except Exception as error:  # keep going: one broken method must not
-                import traceback  # cost the other results
-                traceback.print_exc()
-                info.update(status="failed",
-                            reason=f"{type(error).__name__}: {str(error)[:2000]}")
-                print(f"\n{report.LOUD}\n!!! METHOD FAILED: {method.name} at {workload} "
-                      f"{level}: {error}\n{report.LOUD}", flush=True)
-            info["seconds_total"] = round(info.get("seconds_total", 0.0)
-                                          + time.monotonic() - started, 1)
+        for round_index in range(rounds):
+            for method in round_order(methods, round_index):
+                info = method_info[method.name]
+                if info.get("status") == "failed":
+                    continue
+                started = time.monotonic()
+                try:
+                    passes += run_pass(method, workload, level, round_index)
+                except Exception as error:  # keep going: one broken method must
+                    import traceback  # not cost the other results
+                    traceback.print_exc()
+                    info.update(status="failed",
+                                reason=f"{type(error).__name__}: {str(error)[:2000]}")
+                    print(f"\n{report.LOUD}\n!!! METHOD FAILED: {method.name} at "
+                          f"{workload} {level}: {error}\n{report.LOUD}", flush=True)
+                info["seconds_total"] = round(info.get("seconds_total", 0.0)
+                                              + time.monotonic() - started, 1)
         if checkpoint is not None:
             checkpoint(passes)
     return passes
@@ -370,6 +391,7 @@ def main(argv=None) -> int:
         "compile": args.compile, "prefix_caching": bool(args.prefix_caching),
         "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
         "temperature": 0.0, "seed": args.seed, "max_model_len": max_model_len,
+        "rounds": args.rounds,
         "prompt_source": source, "per_category": None if args.full else args.per_category,
         "skip_per_category": args.skip_per_category,
         "categories": args.categories,
@@ -403,11 +425,13 @@ def main(argv=None) -> int:
 
     schedule = pass_schedule(args.batch_sizes if run_offline_pass else [],
                              args.concurrency if run_online_pass else [])
-    bar = tqdm(total=len(runnable) * len(schedule) * len(prompts), unit="req",
+    bar = tqdm(total=len(runnable) * len(schedule) * len(prompts) * args.rounds, unit="req",
                desc="benchmark", dynamic_ncols=True)
 
-    def run_pass(m, workload: str, level: int) -> list:
-        bar.set_description(f"{m.name} {workload} {level}")
+    def run_pass(m, workload: str, level: int, round_index: int) -> list:
+        bar.set_description(f"{m.name} {workload} {level}"
+                            + (f" round {round_index + 1}/{args.rounds}"
+                               if args.rounds > 1 else ""))
         if workload == "offline":
             level_passes = run_offline(m, model, prompts, [level], sampling, warmup_ids,
                                        llm_options, progress=bar.update)
@@ -416,6 +440,8 @@ def main(argv=None) -> int:
                                       args.ignore_eos, warmup_ids, llm_options, log_dir,
                                       progress=bar.update)
         correct_cut_last_steps(m, level_passes, prompts)
+        for level_pass in level_passes:
+            level_pass.round = round_index
         return level_passes
 
     def checkpoint(passes_so_far: list) -> None:
@@ -426,9 +452,11 @@ def main(argv=None) -> int:
         report.write_json(partial, out_dir / "results.partial.json")
 
     started = time.monotonic()
-    passes = run_levels(runnable, schedule, run_pass, method_info, checkpoint)
+    passes = run_levels(runnable, schedule, run_pass, method_info, checkpoint,
+                        rounds=args.rounds)
+    pooled = report.pool_rounds(passes)
     for m in runnable:
-        _print_method_line(m.name, [p for p in passes if p.method == m.name])
+        _print_method_line(m.name, [p for p in pooled if p.method == m.name])
     bar.close()
     meta["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     meta["seconds_total"] = round(time.monotonic() - started, 1)

@@ -679,7 +679,8 @@ def test_levels_run_one_after_another_with_every_method_in_each():
     info = {m.name: {"status": "ran"} for m in runnable}
     calls, checkpoints = [], []
 
-    def run_pass(method, workload, level):
+    def run_pass(method, workload, level, round_index):
+        assert round_index == 0
         calls.append((workload, level, method.name))
         if method.name == "esp" and level == 8:
             raise RuntimeError("engine died")
@@ -694,3 +695,71 @@ def test_levels_run_one_after_another_with_every_method_in_each():
     assert info["esp"]["status"] == "failed" and "engine died" in info["esp"]["reason"]
     assert info["none"]["status"] == info["suffix"]["status"] == "ran"
     assert checkpoints == [3, 5, 7]
+
+
+def test_rounds_reverse_the_order_and_a_failure_skips_later_rounds():
+    """With ``rounds=2`` every level runs none, esp, suffix and then suffix,
+    esp, none, so a drift within the level weighs on every method alike; a
+    method failing in the second round keeps its first and skips the rest."""
+    from benchmarks import spec_bench
+
+    runnable = [methods.METHODS[name] for name in ("none", "esp", "suffix")]
+    info = {m.name: {"status": "ran"} for m in runnable}
+    calls = []
+
+    def run_pass(method, workload, level, round_index):
+        calls.append((level, round_index, method.name))
+        if method.name == "esp" and (level, round_index) == (4, 1):
+            raise RuntimeError("engine died")
+        return [(method.name, level, round_index)]
+
+    passes = spec_bench.run_levels(runnable, [("offline", 1), ("offline", 4)],
+                                   run_pass, info, rounds=2)
+    assert calls == [(1, 0, "none"), (1, 0, "esp"), (1, 0, "suffix"),
+                     (1, 1, "suffix"), (1, 1, "esp"), (1, 1, "none"),
+                     (4, 0, "none"), (4, 0, "esp"), (4, 0, "suffix"),
+                     (4, 1, "suffix"), (4, 1, "esp"), (4, 1, "none")]
+    assert ("esp", 4, 0) in passes and ("esp", 4, 1) not in passes
+    assert info["esp"]["status"] == "failed"
+    with pytest.raises(SystemExit):
+        spec_bench.parse_args(["--rounds", "0"])
+
+
+def test_rounds_pool_seconds_and_check_every_round():
+    """Pooled speed is all rounds' tokens over all their seconds (not a mean
+    of ratios); every round's outputs are checked against the same round's
+    baseline, so a mismatch in one round only is still reported."""
+    outputs = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    wrong = [[1, 2, 3, 4], [5, 6, 0, 8]]
+
+    def timed(method, seconds, round_index, tokens=outputs):
+        result = _pass(method, tokens)
+        result.seconds, result.round = seconds, round_index
+        return result
+
+    passes = [timed("none", 2.0, 0), timed("esp", 1.0, 0), timed("broken", 1.0, 0),
+              timed("broken", 4.0, 1, wrong), timed("esp", 3.0, 1), timed("none", 2.0, 1)]
+    matches = report.check_matches(passes)
+    assert matches[("esp", "offline-b1")].ok
+    assert matches[("esp", "offline-b1")].compared == 4
+    broken = matches[("broken", "offline-b1")]
+    assert not broken.ok and (broken.matched, broken.compared) == (3, 4)
+
+    pooled = {p.method: p for p in report.pool_rounds(passes)}
+    assert pooled["esp"].seconds == 4.0 and len(pooled["esp"].records) == 4
+    assert [r["seconds"] for r in pooled["esp"].round_figures] == [1.0, 3.0]
+    # 16 tokens in 4 s against 16 in 4 s: 1.00x pooled, where the mean of
+    # the rounds' ratios (2.0x, 0.67x) would say 1.33x.
+    assert pooled["esp"].summary()["tokens_per_s"] == pooled["none"].summary()["tokens_per_s"]
+
+    results = report.build_results({}, {"model": "m", "rounds": 2},
+                                   [{"index": i, "category": "c"} for i in range(2)],
+                                   {name: {"status": "ran"} for name in pooled}, passes)
+    assert len(results["passes"]) == 3
+    markdown = report.render_markdown(results)
+    assert "- rounds: 2 per level" in markdown
+    assert "| `esp` | offline-b1 | 2.00x / 0.67x |" in markdown
+    assert "**3/4 MISMATCH**" in markdown
+    single = report.build_results({}, {"model": "m"}, [{"index": 0, "category": "c"}],
+                                  {"none": {"status": "ran"}}, [_pass("none", [[1]])])
+    assert "## Rounds" not in report.render_markdown(single)
