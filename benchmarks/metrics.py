@@ -428,6 +428,12 @@ class MatchResult:
     def ok(self) -> bool:
         return not self.mismatches and not self.missing
 
+    def __add__(self, other: MatchResult) -> MatchResult:
+        """Both comparisons together (the rounds of one level)."""
+        return MatchResult(self.compared + other.compared, self.matched + other.matched,
+                           self.mismatches + other.mismatches,
+                           sorted(set(self.missing) | set(other.missing)))
+
     def to_json(self) -> dict[str, Any]:
         return {"compared": self.compared, "matched": self.matched,
                 "rate": self.rate, "ok": self.ok,

@@ -24,26 +24,24 @@ def check_matches(passes: Sequence[PassResult]) -> dict[tuple[str, str], MatchRe
     workload, level and round (falling back to the baseline's other rounds
     at that level, then to its first pass). Keys: (method, pass key); the
     rounds of one method and level add up into one result."""
-    baseline: dict[tuple[str, int], PassResult] = {}
+    same_round: dict[tuple[str, int], PassResult] = {}
+    any_round: dict[str, PassResult] = {}
     for p in passes:
         if p.method == BASELINE:
-            baseline.setdefault((p.key, p.round), p)
-            baseline.setdefault((p.key, -1), p)
-    first = next(iter(baseline.values()), None)
+            same_round.setdefault((p.key, p.round), p)
+            any_round.setdefault(p.key, p)
+    first = next(iter(any_round.values()), None)
     results: dict[tuple[str, str], MatchResult] = {}
     for p in passes:
         if p.method == BASELINE:
             continue
-        reference = baseline.get((p.key, p.round), baseline.get((p.key, -1), first))
+        reference = same_round.get((p.key, p.round), any_round.get(p.key, first))
         if reference is None:
             continue
         match = compare_outputs(reference.records, p.records)
-        total = results.get((p.method, p.key))
-        if total is not None:
-            match = MatchResult(total.compared + match.compared,
-                                total.matched + match.matched,
-                                total.mismatches + match.mismatches,
-                                sorted(set(total.missing) | set(match.missing)))
+        earlier = results.get((p.method, p.key))
+        if earlier is not None:
+            match = earlier + match
         results[(p.method, p.key)] = match
     return results
 
