@@ -79,36 +79,23 @@ def test_step_cost_profile_times_the_lm_head_over_every_row():
     assert forwards == [n for n in profiled for _ in range(PROFILE_REPEATS + 1)]
 
 
-def test_chain_metadata_on_full_logits_names_the_same_rows_as_compacted():
-    """Without logprobs the sampler reads the block's rows in place; the
-    rows it reads must be those it would read from the compacted logits."""
+def test_chain_metadata_carries_the_chain_layout():
+    """The runner's SpecDecodeMetadata is the core's chain layout, as is."""
     import numpy as np
     import torch
 
+    from vllm_esp.core.batch import chain_rows
     from vllm_esp.runner import chain_spec_decode_metadata
 
-    # The docstring's example: 2 and 0 drafts, compact rows at 5, 9, 6, 7.
-    drafts = torch.tensor([11, 12], dtype=torch.int32)
-    num_drafts = np.array([2, 0])
-    rows = torch.tensor([5, 9, 6, 7])
-    full = chain_spec_decode_metadata(drafts, num_drafts, torch.device("cpu"),
-                                      logits_rows=rows)
-    assert full.target_logits_indices.tolist() == [5, 9]
-    assert full.bonus_logits_indices.tolist() == [6, 7]
-
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(20):
-        num_drafts = torch.randint(0, 5, (6,), generator=generator).numpy()
-        total = int((num_drafts + 1).sum())
-        logits = torch.randn(total + 7, 13, generator=generator)
-        rows = torch.randperm(total + 7, generator=generator)[:total]
-        drafts = torch.randint(0, 13, (int(num_drafts.sum()),), generator=generator)
-        compact = chain_spec_decode_metadata(drafts, num_drafts, torch.device("cpu"))
-        in_place = chain_spec_decode_metadata(drafts, num_drafts, torch.device("cpu"),
-                                              logits_rows=rows)
-        compact_logits = logits[rows]
-        for name in ("target_logits_indices", "bonus_logits_indices", "logits_indices"):
-            assert torch.equal(logits[getattr(in_place, name).long()],
-                               compact_logits[getattr(compact, name).long()]), name
-        assert in_place.num_draft_tokens == compact.num_draft_tokens
-        assert torch.equal(in_place.cu_num_sampled_tokens, compact.cu_num_sampled_tokens)
+    layout = chain_rows(np.array([1]), np.array([0, 3]), np.array([2, 9]),
+                        np.array([7, 8] + [0] * 9), np.array([[0, 2, 0]]), np.array([2]),
+                        np.array([[5, 9, 4]]), in_place=True)
+    metadata = chain_spec_decode_metadata(layout, torch.device("cpu"))
+    assert metadata.draft_token_ids.tolist() == [7, 8, 4]
+    assert metadata.num_draft_tokens == [2, 1]
+    assert metadata.cu_num_draft_tokens.tolist() == [2, 3]
+    assert metadata.cu_num_sampled_tokens.tolist() == [3, 5]
+    assert metadata.target_logits_indices.tolist() == [0, 1, 3]
+    assert metadata.bonus_logits_indices.tolist() == [2, 5]
+    assert metadata.logits_indices.tolist() == [0, 1, 2, 3, 5]
+    assert metadata.target_logits_indices.dtype == torch.int32

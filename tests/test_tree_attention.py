@@ -52,9 +52,11 @@ def random_tree(rng: random.Random, max_nodes: int) -> TreeSpec:
 
 
 def build_batch(seed: int, dtype: torch.dtype, window: int, block_size: int,
-                num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 32):
+                num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 32,
+                only_blocks: bool = False):
     """A flat batch: per request either an ESP block or a plain query of
-    1..20 rows after a prefix; cache filled through vLLM's writer."""
+    1..20 rows after a prefix (``only_blocks``: blocks only); cache filled
+    through vLLM's writer."""
     from vllm_esp.attention import write_vec_kv_cache
 
     rng = random.Random(seed)
@@ -64,7 +66,7 @@ def build_batch(seed: int, dtype: torch.dtype, window: int, block_size: int,
         # The first request is an ESP block with a prefix longer than any
         # window tested, so windows always cut into it.
         prefix = 257 if index == 0 else rng.choice([0, 1, 5, 31, 32, 33, 100, 257])
-        if index % 2 == 0 or rng.random() < 0.3:
+        if only_blocks or index % 2 == 0 or rng.random() < 0.3:
             layout = block_layout(random_tree(rng, 12))
             requests.append({"prefix": prefix, "rows": layout.block_size,
                              "layout": layout})
@@ -239,21 +241,22 @@ def test_kernel_splits_long_prefixes_across_threads_exactly():
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("seed, dtype, window", [(20, torch.float32, 0),
-                                                 (21, torch.float32, 24),
-                                                 (22, torch.bfloat16, 0)])
+@pytest.mark.parametrize("seed, dtype, window, only_blocks", [(20, torch.float32, 0, False),
+                                                              (21, torch.float32, 24, False),
+                                                              (22, torch.bfloat16, 0, False),
+                                                              (23, torch.float32, 24, True)])
 def test_backend_forward_matches_reference_for_mixed_batches(seed, dtype, window,
-                                                             monkeypatch):
+                                                             only_blocks, monkeypatch):
     """The backend splits a step with ESP blocks: prefill chunks through
     vLLM's kernel, blocks and plain decodes through the tree kernel; every
     row must match. (Seed 21 has both a decode and a chunk beside its
-    blocks; 20 and 22 only decodes.)"""
+    blocks; 20 and 22 only decodes; 23 only blocks, the builder's shortcut.)"""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
     from vllm_esp.attention import ESPCPUAttentionImpl, ESPCPUAttentionMetadataBuilder
 
-    batch = build_batch(seed, dtype, window, 32)
+    batch = build_batch(seed, dtype, window, 32, only_blocks=only_blocks)
     num_reqs = len(batch.requests)
     seq_lens = torch.tensor([r["prefix"] + r["rows"] for r in batch.requests],
                             dtype=torch.int32)
@@ -285,7 +288,7 @@ def test_backend_forward_matches_reference_for_mixed_batches(seed, dtype, window
                if r["layout"] is None and r["rows"] == 1]
     chunks = [i for i, r in enumerate(batch.requests)
               if r["layout"] is None and r["rows"] > 1]
-    assert decodes, "every case has a plain decode beside its blocks"
+    assert bool(decodes) != only_blocks, "a plain decode beside the blocks, or none"
     assert split.tree.num_rows.numel() == len(batch.requests) - len(chunks)
     if chunks:
         assert split.plain.num_actual_tokens == sum(batch.requests[i]["rows"]

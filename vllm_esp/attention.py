@@ -97,9 +97,22 @@ class ESPCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def _split(self, metadata: CPUAttentionMetadata, step,
                common) -> ESPCPUAttentionMetadata:
         num_reqs = common.num_reqs
-        blocks = torch.as_tensor(step.batch_indices)  # int64, ascending
         seq_lens = metadata.seq_lens
         query_start_loc = metadata.query_start_loc
+        if step.batch_indices.shape[0] == num_reqs:
+            # Every request is a block (batch indices 0..n-1): nothing to
+            # split, and a handful of tensor ops instead of a few dozen.
+            tree = TreeAttentionMetadata(
+                block_tables=metadata.block_table[:num_reqs],
+                row_starts=query_start_loc[:num_reqs],
+                num_rows=step.num_rows,
+                prefix_lens=(seq_lens[:num_reqs] - step.num_rows).to(torch.int32),
+                tree_masks=step.tree_masks,
+                position_offsets=step.position_offsets)
+            return ESPCPUAttentionMetadata(
+                **{name: getattr(metadata, name) for name in metadata.__dataclass_fields__},
+                tree=tree)
+        blocks = torch.as_tensor(step.batch_indices)  # int64, ascending
         query_lens = query_start_loc[1:] - query_start_loc[:-1]
         is_block = torch.zeros(num_reqs, dtype=torch.bool)
         is_block[blocks] = True

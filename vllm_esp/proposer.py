@@ -39,7 +39,14 @@ import torch
 from vllm.v1.outputs import DraftTokenIds
 
 from vllm_esp.config import ESPConfig
-from vllm_esp.core.batch import TreeBatch, TreeProposer, block_layouts, select_chains
+from vllm_esp.core.batch import (
+    TreeBatch,
+    TreeProposer,
+    block_layouts,
+    chain_rows,
+    child_score_indices,
+    select_chains_flat,
+)
 from vllm_esp.core.goodput import (
     SOURCE_CORPUS,
     SOURCE_ESP,
@@ -220,7 +227,7 @@ class ESPProposer:
         """Compile the per-step numba kernels at engine start-up rather than
         in the first requests: on a fresh install that takes about 20 s,
         after which numba's on-disk cache serves them. One proposal, block
-        layout and chain selection for a synthetic request, with the
+        layout, chain selection and chain layout for a synthetic request, with the
         engine's own buffers and dtypes; no request state is touched."""
         ends = np.full(1, min(8, self.runner.input_batch.token_ids_cpu.shape[1]), np.int64)
         trees = self._propose_trees(
@@ -228,7 +235,12 @@ class ESPProposer:
             np.zeros_like(self.cand_tokens[:1]), np.zeros_like(self.cand_log_probs[:1]),
             np.ones(1, np.bool_), num_requests=1)
         block_layouts(trees)
-        select_chains(trees, np.zeros(trees.parents.shape, np.float32))
+        rows, _ = child_score_indices(trees, np.zeros(1, np.int64))
+        chains, lengths = select_chains_flat(trees, np.zeros(rows.shape[0], np.float32))
+        num_drafts = np.maximum(trees.num_nodes - 1, 0)
+        chain_rows(np.zeros(1, np.int64), np.zeros(1, np.int64), num_drafts,
+                   np.zeros(int(num_drafts.sum()), np.int64), chains, lengths,
+                   trees.tokens, in_place=True)
 
     def slots(self, req_ids: list[str]) -> np.ndarray:
         """Slots of ``req_ids``, assigning free ones to new requests."""

@@ -54,7 +54,13 @@ import torch
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from vllm_esp.core.batch import TreeBatch, select_chains
+from vllm_esp.core.batch import (
+    ChainRows,
+    TreeBatch,
+    chain_rows,
+    child_score_indices,
+    select_chains_flat,
+)
 from vllm_esp.core.goodput import StepCostModel
 from vllm_esp.core.proposal import mask_candidates
 from vllm_esp.kernels import cache_root
@@ -331,8 +337,6 @@ class ESPModelRunnerMixin:
         self._esp_step = None
         with scope("esp: verify"):
             chains, lengths = self._esp_select_chains(step, logits)
-            compact_rows, chain_drafts, num_drafts = self._esp_chain_rows(
-                step, spec_decode_metadata, chains, lengths)
             sampling_metadata = self.input_batch.sampling_metadata
             # The sampler copies out only the rows the metadata names, so
             # without logprobs it reads the block's rows in place: one copy
@@ -341,18 +345,23 @@ class ESPModelRunnerMixin:
             # per step; docs/results.md). vLLM's logprobs code wants
             # each request's rows consecutive, so with logprobs compact them.
             in_place = sampling_metadata.max_num_logprobs is None
-            verified_logits = logits if in_place else logits[compact_rows]
-            chain_metadata = chain_spec_decode_metadata(
-                chain_drafts, num_drafts, logits.device,
-                logits_rows=compact_rows if in_place else None)
+            layout = chain_rows(
+                step.batch_indices, self._esp_logit_starts,
+                np.asarray(spec_decode_metadata.num_draft_tokens, np.int64),
+                spec_decode_metadata.draft_token_ids.cpu().numpy(), chains, lengths,
+                step.trees.tokens, in_place)
+            verified_logits = (logits if in_place
+                               else logits[torch.from_numpy(layout.rows).to(logits.device)])
+            chain_metadata = chain_spec_decode_metadata(layout, logits.device)
             if sampling_metadata.spec_token_ids is not None:
                 # Penalties and bad words must see the chain being verified,
                 # not the block's slots.
-                ends = np.cumsum(num_drafts)
-                flat = chain_drafts.tolist()
+                ends = layout.cu_num_draft_tokens
+                flat = layout.draft_token_ids.tolist()
                 sampling_metadata = dataclasses.replace(
                     sampling_metadata,
-                    spec_token_ids=[flat[e - n:e] for e, n in zip(ends, num_drafts)])
+                    spec_token_ids=[flat[e - n:e] for e, n in
+                                    zip(ends.tolist(), layout.num_draft_tokens.tolist())])
         with scope("esp: sampler"):
             sampler_output = self.rejection_sampler(
                 chain_metadata, None, verified_logits, sampling_metadata)
@@ -363,55 +372,11 @@ class ESPModelRunnerMixin:
     def _esp_select_chains(self, step: ESPStep, logits: torch.Tensor):
         """Chain reduction of every block: each node's score is its token's
         logit at its parent's row."""
-        trees = step.trees
-        width = trees.parents.shape[1]
-        block_starts = self._esp_logit_starts[step.batch_indices]
-        valid = np.arange(width)[None, :] < trees.num_nodes[:, None]
-        valid[:, 0] = False  # the root has no parent
-        block, node = np.nonzero(valid)
-        parent_rows = block_starts[block] + trees.parents[block, node]
-        scores = np.full((step.num_blocks, width), -np.inf, np.float32)
-        scores[block, node] = logits[torch.from_numpy(parent_rows),
-                                     torch.from_numpy(trees.tokens[block, node])
-                                     ].float().cpu().numpy()
-        return select_chains(trees, scores)
-
-    def _esp_chain_rows(self, step: ESPStep, spec_metadata, chains, lengths):
-        """Compact logits rows (consecutive per request, as vLLM's logprobs
-        code expects) and chain drafts: the ESP blocks' chains, every other
-        request's own rows and drafts."""
-        num_requests = self._esp_logit_starts.shape[0]
-        vllm_drafts = np.asarray(spec_metadata.num_draft_tokens, np.int64)
-        num_drafts = vllm_drafts.copy()
-        num_drafts[step.batch_indices] = lengths - 1
-        counts = num_drafts + 1
-        request = np.repeat(np.arange(num_requests), counts)
-        within = np.arange(request.shape[0]) - np.repeat(np.cumsum(counts) - counts,
-                                                         counts)
-        is_block = np.zeros(num_requests, np.bool_)
-        is_block[step.batch_indices] = True
-        block_of = np.full(num_requests, -1, np.int64)
-        block_of[step.batch_indices] = np.arange(step.num_blocks)
-        node = np.where(is_block[request], chains[block_of[request].clip(0),
-                                                  within.clip(0, chains.shape[1] - 1)],
-                        within)
-        rows = self._esp_logit_starts[request] + node
-        # Drafts: chain nodes' tokens for blocks, vLLM's drafts otherwise.
-        draft_request = np.repeat(np.arange(num_requests), num_drafts)
-        draft_within = np.arange(draft_request.shape[0]) - np.repeat(
-            np.cumsum(num_drafts) - num_drafts, num_drafts)
-        vllm_draft_starts = np.cumsum(vllm_drafts) - vllm_drafts
-        vllm_tokens = spec_metadata.draft_token_ids.cpu().numpy()
-        draft_block = block_of[draft_request]
-        chain_nodes = chains[draft_block.clip(0), (draft_within + 1).clip(
-            0, chains.shape[1] - 1)]
-        tokens = np.where(
-            draft_block >= 0,
-            step.trees.tokens[draft_block.clip(0), chain_nodes],
-            vllm_tokens[(vllm_draft_starts[draft_request] + draft_within).clip(
-                0, max(vllm_tokens.shape[0] - 1, 0))] if vllm_tokens.size else 0)
-        return (torch.from_numpy(rows), torch.from_numpy(tokens.astype(np.int32)),
-                num_drafts)
+        rows, columns = child_score_indices(
+            step.trees, self._esp_logit_starts[step.batch_indices])
+        scores = logits[torch.from_numpy(rows).to(logits.device),
+                        torch.from_numpy(columns).to(logits.device)]
+        return select_chains_flat(step.trees, scores.float().cpu().numpy())
 
     def _esp_after_verification(self, step: ESPStep, chains, sampler_output,
                                 logits: torch.Tensor) -> None:
@@ -479,46 +444,21 @@ class ESPModelRunnerMixin:
                                                               drafts.draft_token_ids))
 
 
-def chain_spec_decode_metadata(chain_drafts: torch.Tensor, num_drafts: np.ndarray,
-                               device: torch.device,
-                               logits_rows: torch.Tensor | None = None
+def chain_spec_decode_metadata(layout: ChainRows, device: torch.device
                                ) -> SpecDecodeMetadata:
-    """vLLM chain metadata over a compact logits tensor in which request i
-    owns ``num_drafts[i] + 1`` consecutive rows (drafts, then bonus).
-    Consecutive rows per request are what vLLM's logprobs code expects.
+    """vLLM's chain metadata for the step's chains (``core.batch.chain_rows``)."""
 
-    With ``logits_rows`` (the compact tensor's rows in the full logits:
-    ``compact = logits[logits_rows]``) the indices point into the full
-    logits instead, for a sampler that needs no logprobs. Example: two
-    requests with 2 and 0 drafts, compact rows ``[0, 1, 2]`` and ``[3]``:
-    targets ``[0, 1]``, bonuses ``[2, 3]``; with ``logits_rows = [5, 9, 6,
-    7]``, targets ``[5, 9]``, bonuses ``[6, 7]``."""
-    num_sampled = num_drafts + 1
-    cu_num_sampled = np.cumsum(num_sampled)
-    sampled_starts = cu_num_sampled - num_sampled
-    draft_request = np.repeat(np.arange(num_drafts.shape[0]), num_drafts)
-    target_logits_indices = (sampled_starts[draft_request] + np.arange(
-        draft_request.shape[0]) - np.repeat(np.cumsum(num_drafts) - num_drafts,
-                                            num_drafts))
-    bonus_logits_indices = cu_num_sampled - 1
-    sampled_rows = np.arange(int(cu_num_sampled[-1]))
-    if logits_rows is not None:
-        rows = np.asarray(logits_rows)
-        target_logits_indices = rows[target_logits_indices]
-        bonus_logits_indices = rows[bonus_logits_indices]
-        sampled_rows = rows
-
-    def to_device(array):
-        return torch.as_tensor(array, dtype=torch.int32, device=device)
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device)
 
     return SpecDecodeMetadata(
-        draft_token_ids=chain_drafts.to(device=device, dtype=torch.int32),
-        num_draft_tokens=num_drafts.tolist(),
-        cu_num_draft_tokens=to_device(np.cumsum(num_drafts)),
-        cu_num_sampled_tokens=to_device(cu_num_sampled),
-        target_logits_indices=to_device(target_logits_indices),
-        bonus_logits_indices=to_device(bonus_logits_indices),
-        logits_indices=to_device(sampled_rows),
+        draft_token_ids=to_device(layout.draft_token_ids),
+        num_draft_tokens=layout.num_draft_tokens.tolist(),
+        cu_num_draft_tokens=to_device(layout.cu_num_draft_tokens),
+        cu_num_sampled_tokens=to_device(layout.cu_num_sampled_tokens),
+        target_logits_indices=to_device(layout.target_logits_indices),
+        bonus_logits_indices=to_device(layout.bonus_logits_indices),
+        logits_indices=to_device(layout.logits_indices),
     )
 
 

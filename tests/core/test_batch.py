@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from vllm_esp.config import ESPConfig
-from vllm_esp.core.batch import TreeBatch, TreeProposer, block_layouts, select_chains
+from vllm_esp.core.batch import (
+    TreeBatch,
+    TreeProposer,
+    block_layouts,
+    chain_rows,
+    child_score_indices,
+    select_chains,
+    select_chains_flat,
+)
 from vllm_esp.core.proposal import DraftTree, mask_candidates
 from vllm_esp.core.sources import ProposalContext, candidate_source
 from vllm_esp.core.tree import TreeSpec, block_layout
@@ -114,15 +122,119 @@ def test_select_chains_equals_per_tree_chain():
     batch = TreeBatch.from_trees(trees, 1)
     width = batch.parents.shape[1]
     child_scores = np.full((len(trees), width), -np.inf, np.float32)
+    # The step's logits: every tree's node rows one after another.
+    block_starts = np.cumsum([0] + [tree.num_nodes for tree in trees])[:-1]
+    step_logits = []
+    expected = []
     for i, tree in enumerate(trees):
         # Node logits with ties (few distinct values): lowest index wins.
         logits = torch.from_numpy(rng.integers(0, 3, (tree.num_nodes, 50))).float()
-        expected = select_chain(tree, logits)
+        step_logits.append(logits)
+        expected.append(select_chain(tree, logits).tolist())
         parents = tree.tree_spec.parents
         for t in range(1, tree.num_nodes):
             child_scores[i, t] = logits[parents[t], tree.tokens[t]]
-        chains, lengths = select_chains(batch, child_scores)
-        assert chains[i, :lengths[i]].tolist() == expected.tolist()
+    chains, lengths = select_chains(batch, child_scores)
+    assert [chains[i, :lengths[i]].tolist() for i in range(len(trees))] == expected
+    # The runner's path: gather each node's score from the step's logits.
+    rows, columns = child_score_indices(batch, block_starts)
+    scores = torch.cat(step_logits)[torch.from_numpy(rows), torch.from_numpy(columns)]
+    chains, lengths = select_chains_flat(batch, scores.numpy())
+    assert [chains[i, :lengths[i]].tolist() for i in range(len(trees))] == expected
+
+
+def test_child_score_indices_docstring_example():
+    batch = TreeBatch(np.array([[-1, 0, 1]]), np.array([[5, 9, 4]]),
+                      np.zeros((1, 3), np.bool_), np.array([3]), 0)
+    rows, columns = child_score_indices(batch, np.array([3]))
+    assert rows.tolist() == [3, 4] and columns.tolist() == [9, 4]
+
+
+def _reference_chain_rows(block_requests, logit_starts, vllm_num_drafts,
+                          vllm_draft_tokens, chains, lengths, tree_tokens):
+    """Request by request: (sampled rows, drafts) of each request."""
+    per_request = []
+    vllm_start = 0
+    for r, start in enumerate(logit_starts):
+        n = vllm_num_drafts[r]
+        if r in block_requests:
+            b = block_requests.index(r)
+            chain = chains[b][:lengths[b]]
+            per_request.append(([start + node for node in chain],
+                                [tree_tokens[b][node] for node in chain[1:]]))
+        else:
+            per_request.append(([start + j for j in range(n + 1)],
+                                list(vllm_draft_tokens[vllm_start:vllm_start + n])))
+        vllm_start += n
+    return per_request
+
+
+def test_chain_rows_docstring_example():
+    layout = chain_rows(np.array([1]), np.array([0, 3]), np.array([2, 9]),
+                        np.array([7, 8] + [0] * 9), np.array([[0, 2, 0]]), np.array([2]),
+                        np.array([[5, 9, 4]]), in_place=False)
+    assert layout.rows.tolist() == [0, 1, 2, 3, 5]
+    assert layout.draft_token_ids.tolist() == [7, 8, 4]
+    assert layout.target_logits_indices.tolist() == [0, 1, 3]
+    assert layout.bonus_logits_indices.tolist() == [2, 4]
+    assert layout.logits_indices.tolist() == [0, 1, 2, 3, 4]
+    in_place = chain_rows(np.array([1]), np.array([0, 3]), np.array([2, 9]),
+                          np.array([7, 8] + [0] * 9), np.array([[0, 2, 0]]), np.array([2]),
+                          np.array([[5, 9, 4]]), in_place=True)
+    assert in_place.target_logits_indices.tolist() == [0, 1, 3]
+    assert in_place.bonus_logits_indices.tolist() == [2, 5]
+    assert in_place.logits_indices.tolist() == [0, 1, 2, 3, 5]
+
+
+def test_chain_rows_lay_out_blocks_and_plain_requests_as_vllm_reads_them():
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        num_requests = int(rng.integers(1, 7))
+        trees = [_random_tree(rng, 1) for _ in range(num_requests)]
+        batch = TreeBatch.from_trees(trees, 1)
+        block_requests = sorted(rng.choice(num_requests, int(rng.integers(0, num_requests + 1)),
+                                           replace=False).tolist())
+        # A block's request scheduled its whole block as drafts (more than
+        # its nodes); a plain request any number of drafts.
+        vllm_num_drafts = rng.integers(0, 5, num_requests)
+        for r in block_requests:
+            vllm_num_drafts[r] = batch.block_sizes()[r] - 1 + int(rng.integers(0, 3))
+        vllm_draft_tokens = rng.integers(0, 100, int(vllm_num_drafts.sum()))
+        logit_starts = np.cumsum(vllm_num_drafts + 1) - (vllm_num_drafts + 1)
+        scores = rng.standard_normal(batch.parents.shape).astype(np.float32)
+        all_chains, all_lengths = select_chains(batch, scores)
+        chains, lengths = all_chains[block_requests], all_lengths[block_requests]
+        tokens = batch.tokens[block_requests]
+        expected = _reference_chain_rows(block_requests, logit_starts, vllm_num_drafts,
+                                         vllm_draft_tokens, chains.tolist(),
+                                         lengths.tolist(), tokens.tolist())
+        compact = chain_rows(np.array(block_requests, np.int64), logit_starts,
+                             vllm_num_drafts, vllm_draft_tokens, chains, lengths, tokens,
+                             in_place=False)
+        in_place = chain_rows(np.array(block_requests, np.int64), logit_starts,
+                              vllm_num_drafts, vllm_draft_tokens, chains, lengths, tokens,
+                              in_place=True)
+        assert compact.rows.tolist() == [row for rows, _ in expected for row in rows]
+        assert compact.draft_token_ids.tolist() == [t for _, drafts in expected for t in drafts]
+        assert compact.num_draft_tokens.tolist() == [len(d) for _, d in expected]
+        assert compact.cu_num_draft_tokens.tolist() == np.cumsum(
+            [len(d) for _, d in expected]).tolist()
+        assert compact.cu_num_sampled_tokens.tolist() == np.cumsum(
+            [len(rows) for rows, _ in expected]).tolist()
+        # Compact indices point into logits[rows]; in-place ones into the
+        # full logits, at the same rows.
+        full = rng.standard_normal(int(logit_starts[-1] + vllm_num_drafts[-1] + 1))
+        picked = full[compact.rows]
+        for name in ("target_logits_indices", "bonus_logits_indices", "logits_indices"):
+            np.testing.assert_array_equal(full[getattr(in_place, name)],
+                                          picked[getattr(compact, name)], err_msg=name)
+        assert compact.logits_indices.tolist() == list(range(compact.rows.shape[0]))
+        for r, (rows, drafts) in enumerate(expected):
+            end = compact.cu_num_sampled_tokens[r]
+            assert compact.bonus_logits_indices[r] == end - 1
+            start = compact.cu_num_draft_tokens[r] - len(drafts)
+            assert compact.target_logits_indices[start:start + len(drafts)].tolist() == list(
+                range(end - len(rows), end - 1))
 
 
 def test_requests_without_a_tree_get_no_rows_and_no_chain():

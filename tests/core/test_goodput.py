@@ -67,6 +67,67 @@ def test_prefix_order_kept_when_gains_rise():
     assert extra.tolist() in ([0], [2])
 
 
+def _allocate_rows_reference(gains, num_gains, base_rows, fixed_cost, cost_per_row,
+                             max_total_rows=None):
+    """The allocation in plain numpy (its first implementation)."""
+    batch = gains.shape[0]
+    extra = np.zeros(batch, np.int64)
+    valid = np.arange(gains.shape[1])[None, :] < num_gains[:, None]
+    ordered = np.minimum.accumulate(np.where(valid, gains, -np.inf), axis=1)
+    request, position = np.nonzero(valid & (ordered > 0))
+    values = ordered[request, position]
+    order = np.lexsort((position, -values))
+    request, values = request[order], values[order]
+    if max_total_rows is not None:
+        room = max(int(max_total_rows) - int(base_rows), 0)
+        request, values = request[:room], values[:room]
+    if values.size == 0:
+        return extra
+    rows = base_rows + np.arange(values.size + 1)
+    tokens = batch + np.concatenate(([0.0], np.cumsum(values)))
+    best = int(np.argmax(tokens / (fixed_cost + cost_per_row * rows)))
+    np.add.at(extra, request[:best], 1)
+    return extra
+
+
+def test_allocation_equals_the_numpy_reference():
+    """Ties included (gains drawn from a few values): the same rows to the
+    same requests."""
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        batch, width = int(rng.integers(1, 9)), int(rng.integers(1, 12))
+        gains = rng.choice([0.0, 0.05, 0.1, 0.3, 0.3, 0.7], (batch, width))
+        if rng.random() < 0.5:
+            gains = rng.uniform(-0.1, 1.0, (batch, width))
+        counts = rng.integers(0, width + 1, batch)
+        base = batch + int(rng.integers(0, 4))
+        fixed, per_row = rng.uniform(0.2, 2.0), rng.uniform(0.001, 0.4)
+        cap = None if rng.random() < 0.5 else int(rng.integers(0, base + 3 * width))
+        np.testing.assert_array_equal(
+            allocate_rows(gains, counts, base, fixed, per_row, cap),
+            _allocate_rows_reference(gains, counts, base, fixed, per_row, cap))
+
+
+def test_cost_model_fit_equals_numpy_least_squares():
+    """The compiled update solves the same forgetting, ridge-regularised
+    normal equations as numpy's solver, step after step."""
+    rng = np.random.default_rng(2)
+    model = StepCostModel(fixed=0.04, per_row=0.0008)
+    gram, moment = model._gram.copy(), model._moment.copy()
+    ridge = np.diag([0.0, 0.0, 1.0])
+    for _ in range(200):
+        rows, requests = int(rng.integers(1, 60)), int(rng.integers(1, 9))
+        seconds = 0.03 + 0.001 * rows + 0.002 * requests + rng.normal(0, 0.002)
+        model.observe(rows, seconds, requests)
+        features = np.array([1.0, rows, requests])
+        gram = 0.99 * gram + np.outer(features, features)
+        moment = 0.99 * moment + seconds * features
+        fixed, per_row, per_request = np.linalg.solve(gram + ridge, moment)
+        assert model.fixed == pytest.approx(max(fixed, 0.002), rel=1e-9)
+        assert model.per_row == pytest.approx(max(per_row, 8e-7), rel=1e-9)
+        assert model.per_request == pytest.approx(max(per_request, 0.0), rel=1e-9, abs=1e-15)
+
+
 def test_total_row_cap():
     gains = np.full((4, 10), 0.9)
     extra = allocate_rows(gains, np.full(4, 10), base_rows=4, fixed_cost=1.0,

@@ -12,7 +12,8 @@ A batch of trees is plain data, :class:`TreeBatch`: padded ``parents``,
 :func:`block_layouts` turns the trees of a step into everything the forward
 and the verification need (rows, positions, attention masks, mask rows);
 :func:`select_chains` reduces each verified tree to the chain that vLLM's
-rejection sampler checks.
+rejection sampler checks, and :func:`chain_rows` lays the chains out as the
+sampler takes them.
 
 Worked example, two requests, ESP alone with ``tree=[2]`` (k = 1)::
 
@@ -593,17 +594,19 @@ def block_layouts(trees: TreeBatch) -> BlockLayouts:
 
 # ------------------------------------------------------------ verification
 @njit(cache=True)
-def chains_kernel(parents, num_nodes, child_scores, out_chains, out_lengths):
+def chains_kernel(parents, num_nodes, scores, score_starts, out_chains, out_lengths):
+    # Node t >= 1 of block b scores scores[score_starts[b] + t - 1].
     for b in range(parents.shape[0]):
         size = num_nodes[b]
         if size == 0:
             # No tree, so no root to start the chain from.
             out_lengths[b] = 0
             continue
+        start = score_starts[b] - 1
         best = np.full(size, -1, np.int64)
         for t in range(1, size):
             parent = parents[b, t]
-            if best[parent] < 0 or child_scores[b, t] > child_scores[b, best[parent]]:
+            if best[parent] < 0 or scores[start + t] > scores[start + best[parent]]:
                 best[parent] = t
         node = 0
         length = 0
@@ -623,8 +626,143 @@ def select_chains(trees: TreeBatch, child_scores: np.ndarray
     ``[B, T]`` (node indices, root first) and their lengths (root
     included; 0 for a request without a tree)."""
     batch, width = trees.parents.shape
+    scores = np.ascontiguousarray(child_scores, np.float32).reshape(-1)
+    return _chains(trees, scores, np.arange(batch, dtype=np.int64) * width + 1)
+
+
+def _chains(trees: TreeBatch, scores: np.ndarray, score_starts: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray]:
+    batch, width = trees.parents.shape
     chains = np.zeros((batch, width), np.int64)
     lengths = np.zeros(batch, np.int64)
-    chains_kernel(trees.parents, trees.num_nodes, np.asarray(child_scores, np.float32),
-                  chains, lengths)
+    chains_kernel(trees.parents, trees.num_nodes, scores, score_starts, chains, lengths)
     return chains, lengths
+
+
+@njit(cache=True)
+def child_score_kernel(parents, tokens, num_nodes, block_starts, out_rows, out_tokens):
+    i = 0
+    for b in range(parents.shape[0]):
+        for t in range(1, num_nodes[b]):
+            out_rows[i] = block_starts[b] + parents[b, t]
+            out_tokens[i] = tokens[b, t]
+            i += 1
+
+
+def child_score_indices(trees: TreeBatch, block_starts: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """Where each node's score is: the logits row of its parent
+    (``block_starts[b]`` is block ``b``'s root row) and its token's column,
+    for the non-root nodes of every block in order. Their values, flat, are
+    what :func:`select_chains_flat` takes. Example: one block, parents
+    ``[-1, 0, 1]``, tokens ``[5, 9, 4]``, root row 3: rows ``[3, 4]``,
+    columns ``[9, 4]``."""
+    total = int(np.maximum(trees.num_nodes - 1, 0).sum())
+    rows = np.empty(total, np.int64)
+    columns = np.empty(total, np.int64)
+    child_score_kernel(trees.parents, trees.tokens, trees.num_nodes,
+                       np.asarray(block_starts, np.int64), rows, columns)
+    return rows, columns
+
+
+def select_chains_flat(trees: TreeBatch, scores: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`select_chains` on the flat scores of the nodes that
+    :func:`child_score_indices` names, in its order."""
+    children = np.maximum(trees.num_nodes - 1, 0)
+    score_starts = np.cumsum(children) - children
+    return _chains(trees, np.asarray(scores, np.float32), score_starts)
+
+
+@dataclass
+class ChainRows:
+    """The chains of a step as vLLM's rejection sampler takes them, over a
+    step's logits in which request ``r``'s rows start at
+    ``logit_starts[r]``: ESP blocks verify their chosen chain, every other
+    request its own drafts. Rows are consecutive per request (drafts, then
+    bonus) in ``rows`` (the compact tensor ``logits[rows]``); the
+    ``*_indices`` point into the compact tensor, or, if built
+    ``in_place``, into the full logits."""
+
+    rows: np.ndarray               # [S] int64, full-logits row of each sampled row
+    draft_token_ids: np.ndarray    # [D] int32, the drafts verified
+    num_draft_tokens: np.ndarray   # [R] int64
+    cu_num_draft_tokens: np.ndarray    # [R] int32
+    cu_num_sampled_tokens: np.ndarray  # [R] int32
+    target_logits_indices: np.ndarray  # [D] int32
+    bonus_logits_indices: np.ndarray   # [R] int32
+    logits_indices: np.ndarray         # [S] int32
+
+
+@njit(cache=True)
+def chain_rows_kernel(block_requests, logit_starts, vllm_num_drafts, vllm_draft_tokens,
+                      chains, lengths, tree_tokens, in_place, out_rows, out_drafts,
+                      out_num_drafts, out_cu_drafts, out_cu_sampled, out_target,
+                      out_bonus, out_logits_indices):
+    num_requests = logit_starts.shape[0]
+    block_of = np.full(num_requests, -1, np.int64)
+    for b in range(block_requests.shape[0]):
+        block_of[block_requests[b]] = b
+    row = 0
+    draft = 0
+    vllm_draft = 0
+    for r in range(num_requests):
+        b = block_of[r]
+        n = vllm_num_drafts[r] if b < 0 else lengths[b] - 1
+        for j in range(n + 1):
+            node = j if b < 0 else chains[b, j]
+            out_rows[row + j] = logit_starts[r] + node
+        for j in range(n):
+            if b < 0:
+                out_drafts[draft + j] = vllm_draft_tokens[vllm_draft + j]
+            else:
+                out_drafts[draft + j] = tree_tokens[b, chains[b, j + 1]]
+            out_target[draft + j] = out_rows[row + j] if in_place else row + j
+        out_bonus[r] = out_rows[row + n] if in_place else row + n
+        vllm_draft += vllm_num_drafts[r]
+        draft += n
+        row += n + 1
+        out_num_drafts[r] = n
+        out_cu_drafts[r] = draft
+        out_cu_sampled[r] = row
+    for i in range(row):
+        out_logits_indices[i] = out_rows[i] if in_place else i
+    return row, draft
+
+
+def chain_rows(block_requests: np.ndarray, logit_starts: np.ndarray,
+               vllm_num_drafts: np.ndarray, vllm_draft_tokens: np.ndarray,
+               chains: np.ndarray, lengths: np.ndarray, tree_tokens: np.ndarray,
+               in_place: bool) -> ChainRows:
+    """The step's :class:`ChainRows`: request ``block_requests[b]`` verifies
+    block ``b``'s chain ``chains[b, :lengths[b]]`` (node ids into
+    ``tree_tokens[b]``; node ``i``'s logits row is ``logit_starts[r] +
+    i``); every other request ``r`` its ``vllm_num_drafts[r]`` drafts
+    (consecutive in ``vllm_draft_tokens``) at rows ``logit_starts[r] + 0..n``.
+
+    Example: requests 0 and 1, logits rows starting at 0 and 3; request 0
+    is a plain request with 2 drafts [7, 8]; request 1 a block whose chain
+    is nodes [0, 2] (tokens [5, 9, 4]): rows ``[0, 1, 2, 3, 5]``, drafts
+    ``[7, 8, 4]``, targets ``[0, 1, 3]``, bonuses ``[2, 4]`` (in place:
+    targets ``[0, 1, 3]``, bonuses ``[2, 5]``)."""
+    num_requests = logit_starts.shape[0]
+    # Enough for any mix of chains and vLLM's drafts (the kernel does not
+    # check bounds).
+    capacity = int(np.asarray(vllm_num_drafts).sum() + np.asarray(lengths).sum()) + num_requests
+    rows = np.empty(capacity, np.int64)
+    drafts = np.empty(capacity, np.int32)
+    num_drafts = np.empty(num_requests, np.int64)
+    cu_drafts = np.empty(num_requests, np.int32)
+    cu_sampled = np.empty(num_requests, np.int32)
+    targets = np.empty(capacity, np.int32)
+    bonuses = np.empty(num_requests, np.int32)
+    logits_indices = np.empty(capacity, np.int32)
+    num_rows, num_drafts_total = chain_rows_kernel(
+        np.asarray(block_requests, np.int64), np.asarray(logit_starts, np.int64),
+        np.asarray(vllm_num_drafts, np.int64), np.asarray(vllm_draft_tokens, np.int64),
+        chains, lengths, tree_tokens, bool(in_place), rows, drafts,
+        num_drafts, cu_drafts, cu_sampled, targets, bonuses, logits_indices)
+    return ChainRows(rows[:num_rows], drafts[:num_drafts_total], num_drafts, cu_drafts,
+                     cu_sampled, targets[:num_drafts_total], bonuses,
+                     logits_indices[:num_rows])
+

@@ -54,6 +54,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 __all__ = ["StepCostModel", "AcceptanceCalibration", "MaskValueCalibration", "StepBudget",
            "allocate_rows",
@@ -111,32 +112,59 @@ def allocate_rows(gains: np.ndarray, num_gains: np.ndarray, base_rows: int,
     step has in any case (every request's root, other requests' tokens);
     each request in ``gains`` emits one token without drafts. Returns
     ``[B]`` extra-row counts (prefixes of each request's order).
+
+    Rows are taken by decreasing gain (a request's own in its order: its
+    gains are first made non-increasing, so that every prefix stays
+    intact), lower position first on ties, then lower request, and the
+    count taken is the goodput argmax (the first, on ties).
     """
     batch = gains.shape[0]
     extra = np.zeros(batch, np.int64)
     if batch == 0 or cost_per_row <= 0 or fixed_cost <= 0:
         return extra
-    width = gains.shape[1]
-    valid = np.arange(width)[None, :] < num_gains[:, None]
-    # A request's rows must be taken in its own order: make its gains
-    # non-increasing so that sorting by gain keeps every prefix intact.
-    ordered = np.where(valid, gains, -np.inf)
-    ordered = np.minimum.accumulate(ordered, axis=1)
-    request, position = np.nonzero(valid & (ordered > 0))
-    values = ordered[request, position]
-    order = np.lexsort((position, -values))
-    request, values = request[order], values[order]
-    if max_total_rows is not None:
-        room = max(int(max_total_rows) - int(base_rows), 0)
-        request, values = request[:room], values[:room]
-    if values.size == 0:
-        return extra
-    rows = base_rows + np.arange(values.size + 1)
-    tokens = batch + np.concatenate(([0.0], np.cumsum(values)))
-    goodput = tokens / (fixed_cost + cost_per_row * rows)
-    best = int(np.argmax(goodput))
-    np.add.at(extra, request[:best], 1)
+    room = -1 if max_total_rows is None else max(int(max_total_rows) - int(base_rows), 0)
+    allocate_kernel(np.asarray(gains, np.float64), np.asarray(num_gains, np.int64),
+                    int(base_rows), float(fixed_cost), float(cost_per_row), room, extra)
     return extra
+
+
+@njit(cache=True)
+def allocate_kernel(gains, num_gains, base_rows, fixed_cost, cost_per_row, room, out_extra):
+    batch = gains.shape[0]
+    size = 0
+    for i in range(batch):
+        size += num_gains[i]
+    requests = np.empty(size, np.int64)
+    positions = np.empty(size, np.int64)
+    values = np.empty(size, np.float64)
+    count = 0
+    for i in range(batch):
+        running = np.inf
+        for j in range(num_gains[i]):
+            running = min(running, gains[i, j])
+            if running > 0:
+                requests[count] = i
+                positions[count] = j
+                values[count] = running
+                count += 1
+    requests, positions, values = requests[:count], positions[:count], values[:count]
+    # Stable sorts: by position, then by decreasing value; candidates start
+    # in request order, so ties end ordered by (position, request).
+    order = np.argsort(positions, kind="mergesort")
+    order = order[np.argsort(-values[order], kind="mergesort")]
+    if room >= 0 and order.shape[0] > room:
+        order = order[:room]
+    best = 0
+    best_goodput = batch / (fixed_cost + cost_per_row * base_rows)
+    gained = 0.0
+    for n in range(order.shape[0]):
+        gained += values[order[n]]
+        goodput = (batch + gained) / (fixed_cost + cost_per_row * (base_rows + n + 1))
+        if goodput > best_goodput:
+            best_goodput = goodput
+            best = n + 1
+    for n in range(best):
+        out_extra[requests[order[n]]] += 1
 
 
 class StepCostModel:
@@ -180,7 +208,8 @@ class StepCostModel:
         self._moment = np.zeros(3)
         for rows in (1.0, 2.0 * prior_rows):
             self._add(rows, 1.0, fixed + per_row * rows, prior_weight / 2)
-        self._ridge = np.diag([0.0, 0.0, request_ridge])
+        self._request_ridge = float(request_ridge)
+        self._solution = np.zeros(3)
         self.fixed, self.per_row, self.per_request = fixed, per_row, 0.0
 
     def _add(self, rows: float, requests: float, seconds: float, weight: float) -> None:
@@ -193,18 +222,18 @@ class StepCostModel:
         them roots."""
         if not (seconds > 0 and math.isfinite(seconds)) or rows <= 0 or requests <= 0:
             return
-        self._gram *= self.forgetting
-        self._moment *= self.forgetting
-        self._add(float(rows), float(requests), float(seconds), 1.0)
-        gram = self._gram + self._ridge
-        if np.linalg.det(gram[:2, :2]) <= 1e-12:
+        # Once per decode step: one compiled call, not a dozen numpy ones.
+        solved = cost_fit_update(self._gram, self._moment, self.forgetting, float(rows),
+                                 float(requests), float(seconds), self._request_ridge,
+                                 self._solution)
+        if not solved:
             return
-        fixed, per_row, per_request = np.linalg.solve(gram, self._moment)
+        fixed, per_row, per_request = self._solution
         # A step never gets cheaper with more rows or requests, and always
         # costs something.
-        self.per_row = max(per_row, 1e-3 * self.prior[1], 1e-9)
-        self.per_request = max(per_request, 0.0)
-        self.fixed = max(fixed, 0.05 * self.prior[0], 1e-9)
+        self.per_row = max(float(per_row), 1e-3 * self.prior[1], 1e-9)
+        self.per_request = max(float(per_request), 0.0)
+        self.fixed = max(float(fixed), 0.05 * self.prior[0], 1e-9)
 
     def seconds(self, rows: float, requests: float = 1) -> float:
         return self.fixed + self.per_request * requests + self.per_row * rows
@@ -225,6 +254,38 @@ class StepCostModel:
         per_row = max(per_row, 1e-9)
         fixed = max(fixed, 0.05 * float(seconds.min()), 1e-9)
         return cls(fixed, per_row, **kwargs)
+
+
+@njit(cache=True)
+def cost_fit_update(gram, moment, forgetting, rows, requests, seconds, request_ridge,
+                    out_solution):
+    """Forget, add one observation of features ``(1, rows, requests)`` at
+    weight 1, and solve the ridge-regularised normal equations by Cramer's
+    rule into ``out_solution``. False (nothing solved) while rows have not
+    varied enough to separate the fixed cost from the per-row cost."""
+    features = np.array([1.0, rows, requests])
+    for i in range(3):
+        moment[i] = forgetting * moment[i] + seconds * features[i]
+        for j in range(3):
+            gram[i, j] = forgetting * gram[i, j] + features[i] * features[j]
+    if gram[0, 0] * gram[1, 1] - gram[0, 1] * gram[1, 0] <= 1e-12:
+        return False
+    a = gram.copy()
+    a[2, 2] += request_ridge
+    det = (a[0, 0] * (a[1, 1] * a[2, 2] - a[1, 2] * a[2, 1])
+           - a[0, 1] * (a[1, 0] * a[2, 2] - a[1, 2] * a[2, 0])
+           + a[0, 2] * (a[1, 0] * a[2, 1] - a[1, 1] * a[2, 0]))
+    if det == 0.0:
+        return False
+    for column in range(3):
+        b = a.copy()
+        for i in range(3):
+            b[i, column] = moment[i]
+        out_solution[column] = (
+            b[0, 0] * (b[1, 1] * b[2, 2] - b[1, 2] * b[2, 1])
+            - b[0, 1] * (b[1, 0] * b[2, 2] - b[1, 2] * b[2, 0])
+            + b[0, 2] * (b[1, 0] * b[2, 1] - b[1, 1] * b[2, 0])) / det
+    return True
 
 
 class AcceptanceCalibration:
