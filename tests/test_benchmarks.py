@@ -763,3 +763,41 @@ def test_rounds_pool_seconds_and_check_every_round():
     single = report.build_results({}, {"model": "m"}, [{"index": 0, "category": "c"}],
                                   {"none": {"status": "ran"}}, [_pass("none", [[1]])])
     assert "## Rounds" not in report.render_markdown(single)
+
+
+def test_step_phases_count_only_steps_that_verify_drafts(monkeypatch):
+    """The phase timers charge each wrapped phase's time to its step and
+    keep only the steps whose inputs carried spec-decode metadata."""
+    from types import SimpleNamespace
+
+    from benchmarks import step_phases
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(step_phases.time, "perf_counter", lambda: clock.now)
+
+    class Runner:
+        drafter = SimpleNamespace()
+        spec = [None, "metadata"]
+
+        def _prepare_inputs(self, step):
+            clock.now += 0.001
+            return None, self.spec[step], None
+
+        def _model_forward(self, step):
+            clock.now += 0.010 * (step + 1)
+
+        def sample_tokens(self, step):
+            clock.now += 0.002
+
+    runner = Runner()
+    timers = step_phases.instrument(runner)
+    timers.counting = True
+    for step in (0, 1):
+        runner._prepare_inputs(step)
+        runner._model_forward(step)
+        runner.sample_tokens(step)
+    assert timers.num_steps == 1
+    figures = timers.per_step_ms()
+    assert figures["forward"] == pytest.approx(20.0)
+    assert figures["prepare_inputs"] == pytest.approx(1.0)
+    assert figures["sample_tokens"] == pytest.approx(2.0)

@@ -1,0 +1,192 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where a decode step's wall time goes, phase by phase, for any method.
+
+Timers wrap the model runner's phases (vLLM's and ESP's own) in one
+in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) while it generates
+Spec-Bench answers one level at a time. Only steps that verify drafts are
+counted; the table gives milliseconds per such step, each round in its own
+column, rounds alternating the methods' order.
+
+Nested phases overlap: ``execute_model`` holds ``forward``,
+``prepare_inputs`` and ``attention metadata``; ``sample_tokens`` holds
+``sample`` (verification) and ``propose``. Unlike ``step_profile.py``'s
+torch profiler, plain timers add almost nothing to a step, so the Python
+around the forward is measured as it runs in a benchmark: after each
+forward, with the caches cold (the same numpy code costs several times
+its cost in a warm loop).
+
+    ./run python -m benchmarks.step_phases --dataset PATH --methods esp suffix \\
+        --batch-size 1 --rounds 2 --skip-per-category 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+# vLLM's runner phases, then ESP's (absent for other methods).
+RUNNER_PHASES = {
+    "execute_model": "execute_model",
+    "_prepare_inputs": "prepare_inputs",
+    "_build_attention_metadata": "attention metadata",
+    "_preprocess": "preprocess (input embeddings)",
+    "_model_forward": "forward",
+    "_sample": "sample (verification)",
+    "_bookkeeping_sync": "bookkeeping",
+    "propose_draft_token_ids": "propose",
+    "_esp_begin_step": "esp: blocks and layouts",
+    "_esp_select_chains": "esp: chain selection",
+    "_esp_after_verification": "esp: after verification",
+}
+DRAFTER_PHASES = {
+    "observe_step": "esp: cost model",
+    "observe_verification": "esp: calibration",
+    "_update_mask_embeddings": "esp: mask embeddings",
+}
+
+
+class PhaseTimers:
+    """Accumulates the wall time of wrapped methods per engine step and
+    keeps the steps that verified drafts (``spec_step``)."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = collections.defaultdict(float)
+        self.totals: dict[str, float] = collections.defaultdict(float)
+        self.num_steps = 0
+        self.spec_step = False
+        self.counting = False
+
+    def wrap(self, owner: Any, attribute: str, phase: str) -> None:
+        original = getattr(owner, attribute)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.current[phase] += time.perf_counter() - started
+
+        setattr(owner, attribute, timed)
+
+    def end_step(self) -> None:
+        if self.counting and self.spec_step:
+            self.num_steps += 1
+            for phase, seconds in self.current.items():
+                self.totals[phase] += seconds
+        self.current.clear()
+        self.spec_step = False
+
+    def per_step_ms(self) -> dict[str, float]:
+        steps = max(self.num_steps, 1)
+        return {phase: seconds / steps * 1e3 for phase, seconds in self.totals.items()}
+
+
+def instrument(runner) -> PhaseTimers:
+    timers = PhaseTimers()
+    for attribute, phase in RUNNER_PHASES.items():
+        if hasattr(runner, attribute):
+            timers.wrap(runner, attribute, phase)
+    for attribute, phase in DRAFTER_PHASES.items():
+        if hasattr(runner.drafter, attribute):
+            timers.wrap(runner.drafter, attribute, phase)
+    prepare_inputs = runner._prepare_inputs
+
+    def prepare_and_mark(*args, **kwargs):
+        result = prepare_inputs(*args, **kwargs)
+        timers.spec_step = result[1] is not None  # spec-decode metadata
+        return result
+
+    runner._prepare_inputs = prepare_and_mark
+    sample_tokens = runner.sample_tokens
+
+    def sample_and_end_step(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return sample_tokens(*args, **kwargs)
+        finally:
+            timers.current["sample_tokens"] += time.perf_counter() - started
+            timers.end_step()
+
+    runner.sample_tokens = sample_and_end_step
+    return timers
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.step_phases",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", default=None,
+                        help="Spec-Bench question.jsonl, or 'bundled'")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--methods", nargs="+", default=["esp", "suffix"])
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--per-category", type=int, default=1)
+    parser.add_argument("--skip-per-category", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="write the table as JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # Every engine runs in this process, each after ESP's kernels loaded
+    # numba: load llvmlite now so that the shield can cover it.
+    import llvmlite.binding.ffi  # noqa: F401
+
+    from vllm_esp.patching import shield_llvmlite_from_kernel_scan
+
+    shield_llvmlite_from_kernel_scan()
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from benchmarks.methods import resolve
+    from vllm_esp_dev.data import chat_prompt_ids, load_questions_or_exit, select_questions
+    from vllm_esp_dev.models import model_path
+    from vllm_esp_dev.runs import generate, make_llm, shutdown, warm_up
+
+    questions = load_questions_or_exit(args.dataset)
+    path = model_path(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = [chat_prompt_ids(tokenizer, q) for q in
+               select_questions(questions, args.per_category, skip=args.skip_per_category)]
+    sampling_params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    methods = [m for m in resolve(args.methods) if m.name in args.methods]
+    table: dict[str, list[dict[str, float]]] = {}
+    for round_index in range(args.rounds):
+        for method in methods if round_index % 2 == 0 else methods[::-1]:
+            llm = make_llm(path, method.speculative_config, max_num_seqs=args.batch_size)
+            try:
+                core = llm.llm_engine.engine_core.engine_core
+                timers = instrument(core.model_executor.driver_worker.worker.model_runner)
+                warm_up(llm, prompts[0][:32])
+                timers.counting = True
+                run = generate(llm, prompts, sampling_params, label=method.name)
+            finally:
+                shutdown(llm)
+            figures = timers.per_step_ms()
+            figures["steps with drafts"] = timers.num_steps
+            figures["tokens/s"] = sum(len(t) for t in run.token_ids) / run.seconds
+            table.setdefault(method.name, []).append(figures)
+            print(f"{method.name} round {round_index + 1}: "
+                  f"{json.dumps({k: round(v, 3) for k, v in figures.items()})}", flush=True)
+    phases = list(dict.fromkeys(p for rounds in table.values() for r in rounds for p in r))
+    print("| phase (ms per step with drafts) | "
+          + " | ".join(table) + " |\n|---|" + "---|" * len(table))
+    for phase in phases:
+        print(f"| {phase} | " + " | ".join(
+            " / ".join(f"{r.get(phase, 0.0):.2f}" for r in rounds)
+            for rounds in table.values()) + " |")
+    if args.out is not None:
+        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
+                                        "table": table}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
