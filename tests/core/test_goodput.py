@@ -91,14 +91,16 @@ def _allocate_rows_reference(gains, num_gains, base_rows, fixed_cost, cost_per_r
 
 
 def test_allocation_equals_the_numpy_reference():
-    """Ties included (gains drawn from a few values): the same rows to the
-    same requests."""
+    """Ties included (gains drawn from a few values), and a NaN gain (it
+    ends its request's rows): the same rows to the same requests."""
     rng = np.random.default_rng(5)
     for _ in range(300):
         batch, width = int(rng.integers(1, 9)), int(rng.integers(1, 12))
         gains = rng.choice([0.0, 0.05, 0.1, 0.3, 0.3, 0.7], (batch, width))
         if rng.random() < 0.5:
             gains = rng.uniform(-0.1, 1.0, (batch, width))
+        if rng.random() < 0.1:
+            gains[rng.integers(batch), rng.integers(width)] = np.nan
         counts = rng.integers(0, width + 1, batch)
         base = batch + int(rng.integers(0, 4))
         fixed, per_row = rng.uniform(0.2, 2.0), rng.uniform(0.001, 0.4)

@@ -141,7 +141,9 @@ def allocate_kernel(gains, num_gains, base_rows, fixed_cost, cost_per_row, room,
     for i in range(batch):
         running = np.inf
         for j in range(num_gains[i]):
-            running = min(running, gains[i, j])
+            gain = gains[i, j]
+            if gain != gain or gain < running:  # NaN sticks: it ends the rows
+                running = gain
             if running > 0:
                 requests[count] = i
                 positions[count] = j
