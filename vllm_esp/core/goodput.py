@@ -259,6 +259,13 @@ class StepCostModel:
 
 
 @njit(cache=True)
+def _det3(a):
+    return (a[0, 0] * (a[1, 1] * a[2, 2] - a[1, 2] * a[2, 1])
+            - a[0, 1] * (a[1, 0] * a[2, 2] - a[1, 2] * a[2, 0])
+            + a[0, 2] * (a[1, 0] * a[2, 1] - a[1, 1] * a[2, 0]))
+
+
+@njit(cache=True)
 def cost_fit_update(gram, moment, forgetting, rows, requests, seconds, request_ridge,
                     out_solution):
     """Forget, add one observation of features ``(1, rows, requests)`` at
@@ -272,21 +279,15 @@ def cost_fit_update(gram, moment, forgetting, rows, requests, seconds, request_r
             gram[i, j] = forgetting * gram[i, j] + features[i] * features[j]
     if gram[0, 0] * gram[1, 1] - gram[0, 1] * gram[1, 0] <= 1e-12:
         return False
-    a = gram.copy()
-    a[2, 2] += request_ridge
-    det = (a[0, 0] * (a[1, 1] * a[2, 2] - a[1, 2] * a[2, 1])
-           - a[0, 1] * (a[1, 0] * a[2, 2] - a[1, 2] * a[2, 0])
-           + a[0, 2] * (a[1, 0] * a[2, 1] - a[1, 1] * a[2, 0]))
+    system = gram.copy()
+    system[2, 2] += request_ridge
+    det = _det3(system)
     if det == 0.0:
         return False
     for column in range(3):
-        b = a.copy()
-        for i in range(3):
-            b[i, column] = moment[i]
-        out_solution[column] = (
-            b[0, 0] * (b[1, 1] * b[2, 2] - b[1, 2] * b[2, 1])
-            - b[0, 1] * (b[1, 0] * b[2, 2] - b[1, 2] * b[2, 0])
-            + b[0, 2] * (b[1, 0] * b[2, 1] - b[1, 1] * b[2, 0])) / det
+        replaced = system.copy()
+        replaced[:, column] = moment
+        out_solution[column] = _det3(replaced) / det
     return True
 
 
