@@ -506,7 +506,7 @@ class ESPProposer:
             self.mask_embeddings[slots[i]] = self._initial(requests[req_ids[i]], prompt)
             self.initialized[slots[i]] = True
         if fold_tokens:
-            owner = torch.from_numpy(np.repeat(np.arange(len(slots)), fold_counts - folded))
+            owner = np.repeat(np.arange(len(slots)), fold_counts - folded)
             slot_index = torch.from_numpy(slots)
             self.mask_embeddings[slot_index] = ema_update_packed(
                 self.mask_embeddings[slot_index], fold_part, owner, config.ema)

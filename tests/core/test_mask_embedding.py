@@ -52,6 +52,8 @@ def test_ema_packed_matches_per_request():
     for r in range(3):
         expected = _sequential(masks[r], embeddings[request_index == r], 0.1)
         torch.testing.assert_close(out[r].double(), expected, atol=1e-6, rtol=1e-6)
+    # The proposer passes the request index as a numpy array.
+    assert torch.equal(ema_update_packed(masks, embeddings, request_index.numpy(), 0.1), out)
     # A request without tokens is unchanged.
     out = ema_update_packed(masks, embeddings[:2], torch.tensor([0, 0]), 0.1)
     assert torch.equal(out[1:], masks[1:])

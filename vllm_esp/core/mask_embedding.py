@@ -156,13 +156,14 @@ def ema_update(mask_embedding: torch.Tensor, token_embeddings: torch.Tensor,
 
 def ema_update_packed(mask_embeddings: torch.Tensor,
                       token_embeddings: torch.Tensor,
-                      request_index: torch.Tensor,
+                      request_index: np.ndarray | torch.Tensor,
                       ema: float) -> torch.Tensor:
     """Batched ``ema_update`` over requests whose tokens are packed together.
 
     ``mask_embeddings`` [R, H]; ``token_embeddings`` [N, H]; ``request_index``
-    [N] int64 gives each token's request. Tokens of one request must appear in
-    commit order (they need not be contiguous). Returns new fp32 ``[R, H]``.
+    [N] integers (numpy or a tensor) gives each token's request. Tokens of
+    one request must appear in commit order (they need not be contiguous).
+    Returns new fp32 ``[R, H]``.
     """
     mask_embeddings = mask_embeddings.float()
     num_requests = mask_embeddings.shape[0]
@@ -170,7 +171,9 @@ def ema_update_packed(mask_embeddings: torch.Tensor,
         return mask_embeddings.clone()
     # The weights are a few numbers per token: numpy computes them in far
     # less time than a dozen small tensor ops (this runs every decode step).
-    index = np.asarray(torch.as_tensor(request_index).cpu(), np.int64)
+    if isinstance(request_index, torch.Tensor):
+        request_index = request_index.cpu().numpy()
+    index = np.asarray(request_index, np.int64)
     keep = 1.0 - float(ema)
     counts = np.bincount(index, minlength=num_requests)
     # Index of each token within its request, in commit order.
