@@ -92,7 +92,7 @@ def instrument(runner) -> PhaseTimers:
         if hasattr(runner, attribute):
             timers.wrap(runner, attribute, phase)
     for attribute, phase in DRAFTER_PHASES.items():
-        if hasattr(runner.drafter, attribute):
+        if hasattr(getattr(runner, "drafter", None), attribute):
             timers.wrap(runner.drafter, attribute, phase)
     prepare_inputs = runner._prepare_inputs
 

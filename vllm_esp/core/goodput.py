@@ -196,7 +196,10 @@ class StepCostModel:
     rows: at 16 requests it gave 2.5 to 2.9 ms per row where a draft row
     added 2.1 ms (docs/results.md, "Cost per request"). ``per_request`` is
     held at zero by a small ridge that is not forgotten, so that it stays
-    zero where the number of requests never changes (batch 1).
+    zero where the number of requests never changes (batch 1), and is never
+    negative: where the best fit asks for a negative cost per request (the
+    1-request prior above a full batch's real steps), the fit is on rows
+    alone.
     """
 
     def __init__(self, fixed: float, per_row: float, prior_weight: float = 20.0,
@@ -288,6 +291,17 @@ def cost_fit_update(gram, moment, forgetting, rows, requests, seconds, request_r
         replaced = system.copy()
         replaced[:, column] = moment
         out_solution[column] = _det3(replaced) / det
+    if out_solution[2] < 0.0:
+        # A request never makes a step cheaper: the least squares under
+        # per_request >= 0 then lie on per_request = 0, the fit on (1, rows)
+        # alone. (Clamping the 3-feature solution instead kept a fixed cost
+        # that had been offset by the negative per-request term: with the
+        # start-up profile's 1-request points above the real batch-8 steps,
+        # 54.6 ms fixed where batch-8 steps measured 35.5 ms + 2.9 ms/row.)
+        det2 = gram[0, 0] * gram[1, 1] - gram[0, 1] * gram[1, 0]
+        out_solution[0] = (moment[0] * gram[1, 1] - gram[0, 1] * moment[1]) / det2
+        out_solution[1] = (gram[0, 0] * moment[1] - gram[1, 0] * moment[0]) / det2
+        out_solution[2] = 0.0
     return True
 
 
