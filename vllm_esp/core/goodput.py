@@ -234,10 +234,10 @@ class StepCostModel:
         if not solved:
             return
         fixed, per_row, per_request = self._solution
-        # A step never gets cheaper with more rows or requests, and always
-        # costs something.
+        # A step never gets cheaper with more rows, and always costs
+        # something. (The fit itself keeps the cost per request >= 0.)
         self.per_row = max(float(per_row), 1e-3 * self.prior[1], 1e-9)
-        self.per_request = max(float(per_request), 0.0)
+        self.per_request = float(per_request)
         self.fixed = max(float(fixed), 0.05 * self.prior[0], 1e-9)
 
     def seconds(self, rows: float, requests: float = 1) -> float:
@@ -294,10 +294,9 @@ def cost_fit_update(gram, moment, forgetting, rows, requests, seconds, request_r
     if out_solution[2] < 0.0:
         # A request never makes a step cheaper: the least squares under
         # per_request >= 0 then lie on per_request = 0, the fit on (1, rows)
-        # alone. (Clamping the 3-feature solution instead kept a fixed cost
-        # that had been offset by the negative per-request term: with the
-        # start-up profile's 1-request points above the real batch-8 steps,
-        # 54.6 ms fixed where batch-8 steps measured 35.5 ms + 2.9 ms/row.)
+        # alone. Clamping the negative term instead would keep the fixed
+        # cost it offsets (a 1-request prior above a full batch's steps:
+        # 54.6 ms fixed where batch-8 steps took 35.5 ms + 2.9 ms per row).
         det2 = gram[0, 0] * gram[1, 1] - gram[0, 1] * gram[1, 0]
         out_solution[0] = (moment[0] * gram[1, 1] - gram[0, 1] * moment[1]) / det2
         out_solution[1] = (gram[0, 0] * moment[1] - gram[1, 0] * moment[0]) / det2
