@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from vllm_esp.runner import ESPModelRunnerMixin
 
 
@@ -99,3 +101,94 @@ def test_chain_metadata_carries_the_chain_layout():
     assert metadata.bonus_logits_indices.tolist() == [2, 5]
     assert metadata.logits_indices.tolist() == [0, 1, 2, 3, 5]
     assert metadata.target_logits_indices.dtype == torch.int32
+
+
+class FakeClock:
+    """``time.perf_counter`` for a fake runner whose forwards take
+    ``load * cost(num_tokens)`` seconds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.load = 1.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def profiling_runner(clock: FakeClock, forwards: list[int]):
+    """A fake runner with what ``esp_profile_step_cost`` reads; a forward of
+    ``n`` tokens takes ``load * (30 ms + 2 ms * n)``."""
+    import torch  # noqa: F401  (the cache key reads torch's thread count)
+
+    def forward(num_tokens):
+        forwards.append(num_tokens)
+        clock.now += clock.load * (0.030 + 0.002 * num_tokens)
+
+    runner = SimpleNamespace(
+        esp_config=SimpleNamespace(auto=True),
+        model_config=SimpleNamespace(model="fake-model", dtype="float32"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        max_num_tokens=256, scheduler_config=SimpleNamespace(max_num_batched_tokens=256),
+        _esp_tensor_parallel=False, _esp_forward_with_logits=forward,
+        drafter=SimpleNamespace(cost_model=None))
+    for name in ("_esp_time_forwards", "esp_profile_step_cost"):
+        setattr(runner, name, getattr(ESPModelRunnerMixin, name).__get__(runner))
+    return runner
+
+
+def test_step_cost_profile_is_cached_and_redone_when_taken_under_load(tmp_path, monkeypatch):
+    """The 'auto' prior comes from a profile cached per model and machine.
+    A profile taken while the machine was busy (every forward 1.6x slower)
+    must not stay the prior for good: the next start times one point again,
+    finds the cache too slow, profiles again and keeps the lower times. A
+    start that is itself the busy one keeps the quiet cache."""
+    import vllm_esp.runner as runner_module
+    from vllm_esp.runner import PROFILE_CHECK_TOKENS, PROFILE_REPEATS, PROFILE_TOKENS
+
+    clock = FakeClock()
+    monkeypatch.setattr(runner_module.time, "perf_counter", clock)
+    monkeypatch.setattr(runner_module, "cache_root", lambda: tmp_path)
+    one_point = [PROFILE_CHECK_TOKENS] * (PROFILE_REPEATS + 1)
+    full_profile = [n for n in PROFILE_TOKENS for _ in range(PROFILE_REPEATS + 1)]
+
+    def start(load):
+        clock.load = load
+        forwards = []
+        runner = profiling_runner(clock, forwards)
+        runner.esp_profile_step_cost()
+        return runner.drafter.cost_model, forwards
+
+    # First start, under load: profiled and cached at 1.6x the quiet cost.
+    model, forwards = start(1.6)
+    assert forwards == full_profile
+    assert model.fixed == pytest.approx(1.6 * 0.030) and model.per_row == pytest.approx(1.6 * 0.002)
+    # Quiet start: the check finds the cache 1.6x too slow, profiles again.
+    model, forwards = start(1.0)
+    assert forwards == one_point + full_profile
+    assert model.fixed == pytest.approx(0.030) and model.per_row == pytest.approx(0.002)
+    # Quiet again: the cache holds, only the check runs.
+    model, forwards = start(1.0)
+    assert forwards == one_point
+    assert model.fixed == pytest.approx(0.030)
+    # A busy start keeps the quiet cache (load only adds time).
+    model, forwards = start(1.6)
+    assert forwards == one_point
+    assert model.fixed == pytest.approx(0.030)
+    assert len(list(tmp_path.glob("step-cost/*.json"))) == 1
+
+
+def test_step_cost_profile_cache_that_is_not_a_profile_is_measured_again():
+    from vllm_esp.runner import merged_profile, parse_profile, profile_is_stale
+
+    assert parse_profile('{"points": [[1, 0.03], [8, 0.05]]}') == [[1.0, 0.03], [8.0, 0.05]]
+    for text in ("", "[]", '{"points": []}', '{"points": [[1, -0.1]]}',
+                 '{"points": [[1, 0.1, 2]]}', '{"points": [[1, "x"]]}',
+                 '{"points": [[0, 0.1]]}', '{"points": [[1, NaN]]}', '{"points": 3}'):
+        assert parse_profile(text) is None, text
+    cached = [[1.0, 0.05], [8.0, 0.09]]
+    assert profile_is_stale(cached, [8.0, 0.06])          # cache 1.5x the check
+    assert not profile_is_stale(cached, [8.0, 0.08])      # within noise
+    assert not profile_is_stale(cached, [8.0, 0.20])      # this start is the busy one
+    assert not profile_is_stale(cached, [32.0, 0.01])     # nothing cached to compare
+    assert merged_profile(cached, [[8.0, 0.06], [32.0, 0.2]]) == [
+        [1.0, 0.05], [8.0, 0.06], [32.0, 0.2]]

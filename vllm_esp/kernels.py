@@ -48,7 +48,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-esp"
 
 
-def _cpu_fingerprint() -> str:
+def cpu_fingerprint() -> str:
     """Model name and flags: -march=native code only runs on the CPU it was
     built for."""
     try:
@@ -63,7 +63,7 @@ def _cpu_fingerprint() -> str:
 def build_key() -> str:
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(FLAGS).encode(),
-                 platform.machine().encode(), _cpu_fingerprint().encode()):
+                 platform.machine().encode(), cpu_fingerprint().encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]

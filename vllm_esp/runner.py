@@ -45,6 +45,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -63,7 +64,7 @@ from vllm_esp.core.batch import (
 )
 from vllm_esp.core.goodput import StepCostModel
 from vllm_esp.core.proposal import mask_candidates
-from vllm_esp.kernels import cache_root
+from vllm_esp.kernels import cache_root, cpu_fingerprint
 from vllm_esp.profiling import scope
 from vllm_esp.proposer import ESPDraftTokenIds, ESPProposer
 from vllm_esp.step import ESPStep, set_current_step
@@ -81,6 +82,14 @@ PROFILE_TOKENS = (1, 8, 32, 64, 128)
 # at batch 4 and 8: docs/results.md).
 PROFILE_VERSION = 2
 PROFILE_REPEATS = 3
+# A cached profile is re-checked at every start by timing this one point
+# again (a fraction of a second), and redone when the cached time is above
+# the new one by more than PROFILE_STALE_RATIO: a profile taken while
+# something else ran kept SmolLM2's prior at 50.6 ms + 3.08 ms per row where
+# a quiet start measures 36.4 + 2.55 (docs/results.md, "A stale step-cost
+# profile").
+PROFILE_CHECK_TOKENS = 8
+PROFILE_STALE_RATIO = 1.25
 
 # Mask rows whose logits are worth computing in the main logits pass rather
 # than in a second one after verification. A second pass re-reads the whole
@@ -90,6 +99,42 @@ PROFILE_REPEATS = 3
 # mask rows exceed the one row per block the probe needs by fewer than this,
 # all mask rows get logits in the main pass and the probe reads them there.
 FUSED_PROBE_EXTRA_ROWS = 8
+
+
+def parse_profile(text: str) -> list[list[float]] | None:
+    """A cached profile's ``[tokens, seconds]`` points, or None if the
+    file is not one (then the profile is measured again)."""
+    try:
+        points = json.loads(text)["points"]
+        points = [[float(tokens), float(seconds)] for tokens, seconds in points]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not points or not all(t >= 1 and s > 0 and math.isfinite(s) for t, s in points):
+        return None
+    return points
+
+
+def profile_is_stale(cached: list[list[float]], check: list[float]) -> bool:
+    """Whether a cached profile must be redone: its time at the check's
+    token count is above the check's by more than ``PROFILE_STALE_RATIO``.
+
+    Only a cached time that is too high counts: other work on the machine
+    only ever adds time, so a profile above a fresh measurement was taken
+    under load. A check above the cache (this start is the busy one) keeps
+    the cache; the online fit corrects the level either way."""
+    tokens, seconds = check
+    cached_seconds = {n: s for n, s in cached}.get(tokens)
+    return cached_seconds is not None and cached_seconds > PROFILE_STALE_RATIO * seconds
+
+
+def merged_profile(cached: list[list[float]], fresh: list[list[float]]
+                   ) -> list[list[float]]:
+    """Per token count, the lower of two profiles' times (load only adds
+    time); counts in one profile only are kept as they are."""
+    merged = {n: s for n, s in cached}
+    for tokens, seconds in fresh:
+        merged[tokens] = min(seconds, merged.get(tokens, seconds))
+    return [[n, merged[n]] for n in sorted(merged)]
 
 
 class ESPModelRunnerMixin:
@@ -211,14 +256,16 @@ class ESPModelRunnerMixin:
     def esp_profile_step_cost(self) -> None:
         """The 'auto' cost model's prior: one forward's time at a few token
         counts, measured once per model, dtype and machine and cached under
-        ``~/.cache/vllm-esp/step-cost``. The online fit corrects it from
-        the engine's own step times (single-rank engines; under tensor
-        parallelism every rank must size blocks identically, so the ranks
-        average the profile and keep it)."""
+        ``~/.cache/vllm-esp/step-cost``; at each start one point is timed
+        again and the profile redone if the cache was taken under load
+        (``profile_is_stale``). The online fit corrects it from the engine's
+        own step times (single-rank engines; under tensor parallelism every
+        rank must size blocks identically, so the ranks average the profile
+        and keep it, unchecked)."""
         if not self.esp_config.auto:
             return
         key = json.dumps([str(self.model_config.model), str(self.model_config.dtype),
-                          platform.machine(), platform.processor(), os.cpu_count(),
+                          platform.machine(), cpu_fingerprint(), os.cpu_count(),
                           torch.get_num_threads(), self.parallel_config.tensor_parallel_size,
                           PROFILE_TOKENS, PROFILE_VERSION])
         cache = (cache_root() / "step-cost"
@@ -226,12 +273,22 @@ class ESPModelRunnerMixin:
         points = None
         if cache.is_file():
             try:
-                points = json.loads(cache.read_text())["points"]
-            except (OSError, ValueError, KeyError):
+                points = parse_profile(cache.read_text())
+            except OSError:
                 points = None
-        if points is None:
-            started = time.perf_counter()
+        started = time.perf_counter()
+        measured = points is None
+        if measured:
             points = self._esp_time_forwards()
+        elif not self._esp_tensor_parallel:
+            check = self._esp_time_forwards([PROFILE_CHECK_TOKENS])
+            if check and profile_is_stale(points, check[0]):
+                logger.info("ESP: the cached step-cost profile takes %.2fx this start's "
+                            "time at %d tokens: profiling again", dict(points)[check[0][0]]
+                            / check[0][1], PROFILE_CHECK_TOKENS)
+                points = merged_profile(points, self._esp_time_forwards())
+                measured = True
+        if measured:
             try:
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 cache.write_text(json.dumps({"key": key, "points": points}))
@@ -249,10 +306,10 @@ class ESPModelRunnerMixin:
         hidden_states, _ = self._dummy_run(num_tokens, force_attention=True)
         self.model.compute_logits(hidden_states)
 
-    def _esp_time_forwards(self) -> list[list[float]]:
+    def _esp_time_forwards(self, token_counts=PROFILE_TOKENS) -> list[list[float]]:
         limit = min(self.max_num_tokens, self.scheduler_config.max_num_batched_tokens)
         points = []
-        for num_tokens in [n for n in PROFILE_TOKENS if n <= limit]:
+        for num_tokens in [n for n in token_counts if n <= limit]:
             self._esp_forward_with_logits(num_tokens)
             times = []
             for _ in range(PROFILE_REPEATS):
