@@ -192,3 +192,5 @@ def test_step_cost_profile_cache_that_is_not_a_profile_is_measured_again():
     assert not profile_is_stale(cached, [32.0, 0.01])     # nothing cached to compare
     assert merged_profile(cached, [[8.0, 0.06], [32.0, 0.2]]) == [
         [1.0, 0.05], [8.0, 0.06], [32.0, 0.2]]
+    # A slower new time never replaces a cached one (load only adds time).
+    assert merged_profile(cached, [[8.0, 0.12]]) == cached
