@@ -114,6 +114,14 @@ def parse_profile(text: str) -> list[list[float]] | None:
     return points
 
 
+def cached_time_ratio(cached: list[list[float]], check: list[float]) -> float | None:
+    """A cached profile's time at the check's token count over the check's
+    time, or None if the profile has no such point."""
+    tokens, seconds = check
+    cached_seconds = dict(cached).get(tokens)
+    return None if cached_seconds is None else cached_seconds / seconds
+
+
 def profile_is_stale(cached: list[list[float]], check: list[float]) -> bool:
     """Whether a cached profile must be redone: its time at the check's
     token count is above the check's by more than ``PROFILE_STALE_RATIO``.
@@ -122,9 +130,8 @@ def profile_is_stale(cached: list[list[float]], check: list[float]) -> bool:
     only ever adds time, so a profile above a fresh measurement was taken
     under load. A check above the cache (this start is the busy one) keeps
     the cache; the online fit corrects the level either way."""
-    tokens, seconds = check
-    cached_seconds = {n: s for n, s in cached}.get(tokens)
-    return cached_seconds is not None and cached_seconds > PROFILE_STALE_RATIO * seconds
+    ratio = cached_time_ratio(cached, check)
+    return ratio is not None and ratio > PROFILE_STALE_RATIO
 
 
 def merged_profile(cached: list[list[float]], fresh: list[list[float]]
@@ -284,8 +291,8 @@ class ESPModelRunnerMixin:
             check = self._esp_time_forwards([PROFILE_CHECK_TOKENS])
             if check and profile_is_stale(points, check[0]):
                 logger.info("ESP: the cached step-cost profile takes %.2fx this start's "
-                            "time at %d tokens: profiling again", dict(points)[check[0][0]]
-                            / check[0][1], PROFILE_CHECK_TOKENS)
+                            "time at %d tokens: profiling again",
+                            cached_time_ratio(points, check[0]), PROFILE_CHECK_TOKENS)
                 points = merged_profile(points, self._esp_time_forwards())
                 measured = True
         if measured:
