@@ -9,7 +9,9 @@ column, rounds alternating the methods' order.
 
 Nested phases overlap: ``execute_model`` holds ``forward``,
 ``prepare_inputs`` and ``attention metadata``; ``sample_tokens`` holds
-``sample`` (verification) and ``propose``. Unlike ``step_profile.py``'s
+``sample`` (verification) and ``propose``; ``engine step`` holds all of
+them and the engine's own work around the runner (scheduling, output
+processing). Unlike ``step_profile.py``'s
 torch profiler, plain timers add almost nothing to a step, so the Python
 around the forward is measured as it runs in a benchmark: after each
 forward, with the caches cold (the same numpy code costs several times
@@ -32,6 +34,7 @@ from typing import Any
 # vLLM's runner phases, then ESP's (absent for other methods).
 RUNNER_PHASES = {
     "execute_model": "execute_model",
+    "_update_states": "update states",
     "_prepare_inputs": "prepare_inputs",
     "_build_attention_metadata": "attention metadata",
     "_preprocess": "preprocess (input embeddings)",
@@ -49,6 +52,9 @@ DRAFTER_PHASES = {
     "_update_mask_embeddings": "esp: mask embeddings",
 }
 
+# Per-step counts, not times: rows in the forward, rows given logits.
+COUNTS = ("forward rows", "logits rows")
+
 
 class PhaseTimers:
     """Accumulates the wall time of wrapped methods per engine step and
@@ -60,6 +66,10 @@ class PhaseTimers:
         self.num_steps = 0
         self.spec_step = False
         self.counting = False
+        # Set by instrument_engine: a step then ends after the engine's
+        # whole step (scheduling and output processing included), not
+        # after the runner's sample_tokens.
+        self.engine_ends_step = False
 
     def wrap(self, owner: Any, attribute: str, phase: str) -> None:
         original = getattr(owner, attribute)
@@ -83,7 +93,8 @@ class PhaseTimers:
 
     def per_step_ms(self) -> dict[str, float]:
         steps = max(self.num_steps, 1)
-        return {phase: seconds / steps * 1e3 for phase, seconds in self.totals.items()}
+        return {phase: total / steps * (1 if phase in COUNTS else 1e3)
+                for phase, total in self.totals.items()}
 
 
 def instrument(runner) -> PhaseTimers:
@@ -94,11 +105,25 @@ def instrument(runner) -> PhaseTimers:
     for attribute, phase in DRAFTER_PHASES.items():
         if hasattr(getattr(runner, "drafter", None), attribute):
             timers.wrap(runner.drafter, attribute, phase)
+    # The LM head, timed on its own: with a large vocabulary it is much of
+    # a step (Gemma-3: 262,144 columns).
+    timers.wrap(runner.model, "compute_logits", "compute_logits")
+    compute_logits = runner.model.compute_logits
+
+    def count_logits_rows(hidden_states, *args, **kwargs):
+        timers.current["logits rows"] += hidden_states.shape[0]
+        return compute_logits(hidden_states, *args, **kwargs)
+
+    runner.model.compute_logits = count_logits_rows
     prepare_inputs = runner._prepare_inputs
 
     def prepare_and_mark(*args, **kwargs):
         result = prepare_inputs(*args, **kwargs)
-        timers.spec_step = result[1] is not None  # spec-decode metadata
+        scheduler_output = args[0]
+        # vLLM builds spec-decode metadata for every step once speculation
+        # is on, prefills included; a step with drafts has scheduled them.
+        timers.spec_step = any(scheduler_output.scheduled_spec_decode_tokens.values())
+        timers.current["forward rows"] += scheduler_output.total_num_scheduled_tokens
         return result
 
     runner._prepare_inputs = prepare_and_mark
@@ -110,10 +135,38 @@ def instrument(runner) -> PhaseTimers:
             return sample_tokens(*args, **kwargs)
         finally:
             timers.current["sample_tokens"] += time.perf_counter() - started
-            timers.end_step()
+            if not timers.engine_ends_step:
+                timers.end_step()
 
     runner.sample_tokens = sample_and_end_step
     return timers
+
+
+def instrument_engine(timers: PhaseTimers, llm_engine) -> None:
+    """Times what surrounds the runner in one engine step: the scheduler,
+    the engine core's whole step, handing the drafts back to the scheduler,
+    and in ``engine step`` all of it with the front end's output
+    processing; ``engine step`` ends the step."""
+    core = llm_engine.engine_core.engine_core
+    timers.wrap(core.scheduler, "schedule", "engine: schedule")
+    timers.wrap(core.scheduler, "update_from_output", "engine: update_from_output")
+    timers.wrap(core, "post_step", "engine: post_step (drafts to scheduler)")
+    # The rest of ``engine step`` is the front end: output processing
+    # (detokenization). Its process_outputs is not wrapped here: the run's
+    # step counter wraps and then deletes it.
+    timers.wrap(core, "step_fn", "engine: core step")
+    step = llm_engine.step
+
+    def step_and_end(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            timers.current["engine step"] += time.perf_counter() - started
+            timers.end_step()
+
+    llm_engine.step = step_and_end
+    timers.engine_ends_step = True
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -164,6 +217,7 @@ def main(argv=None) -> int:
             try:
                 core = llm.llm_engine.engine_core.engine_core
                 timers = instrument(core.model_executor.driver_worker.worker.model_runner)
+                instrument_engine(timers, llm.llm_engine)
                 warm_up(llm, prompts[0][:32])
                 timers.counting = True
                 run = generate(llm, prompts, sampling_params, label=method.name)
@@ -176,7 +230,7 @@ def main(argv=None) -> int:
             print(f"{method.name} round {round_index + 1}: "
                   f"{json.dumps({k: round(v, 3) for k, v in figures.items()})}", flush=True)
     phases = list(dict.fromkeys(p for rounds in table.values() for r in rounds for p in r))
-    print("| phase (ms per step with drafts) | "
+    print("| phase (ms per step with drafts; rows: per step) | "
           + " | ".join(table) + " |\n|---|" + "---|" * len(table))
     for phase in phases:
         print(f"| {phase} | " + " | ".join(

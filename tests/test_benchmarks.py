@@ -767,21 +767,34 @@ def test_rounds_pool_seconds_and_check_every_round():
 
 def test_step_phases_count_only_steps_that_verify_drafts(monkeypatch):
     """The phase timers charge each wrapped phase's time to its step and
-    keep only the steps whose inputs carried spec-decode metadata."""
+    keep only the steps that scheduled drafts: vLLM builds spec-decode
+    metadata for a prefill too once speculation is on, and such a step
+    must not count. With the engine instrumented, a step ends after the
+    engine's whole step, scheduling included."""
     from types import SimpleNamespace
 
     from benchmarks import step_phases
 
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(step_phases.time, "perf_counter", lambda: clock.now)
+    # Step 0: a 20-token prefill (metadata, no drafts); step 1: a root and
+    # 3 drafts of one request.
+    steps = [SimpleNamespace(scheduled_spec_decode_tokens={"a": []},
+                             total_num_scheduled_tokens=20),
+             SimpleNamespace(scheduled_spec_decode_tokens={"a": [5, 6, 7]},
+                             total_num_scheduled_tokens=4)]
+
+    class Model:
+        def compute_logits(self, hidden_states):
+            clock.now += 0.005
 
     class Runner:
         drafter = SimpleNamespace()
-        spec = [None, "metadata"]
+        model = Model()
 
-        def _prepare_inputs(self, step):
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
             clock.now += 0.001
-            return None, self.spec[step], None
+            return None, "metadata", None
 
         def _model_forward(self, step):
             clock.now += 0.010 * (step + 1)
@@ -789,15 +802,47 @@ def test_step_phases_count_only_steps_that_verify_drafts(monkeypatch):
         def sample_tokens(self, step):
             clock.now += 0.002
 
+    class Scheduler:
+        def schedule(self):
+            clock.now += 0.0005
+
+        def update_from_output(self):
+            clock.now += 0.0001
+
     runner = Runner()
+    core = SimpleNamespace(scheduler=Scheduler(), post_step=lambda: None)
+    engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=core))
+
+    def core_step(step):
+        core.scheduler.schedule()
+        runner._prepare_inputs(steps[step], None)
+        runner._model_forward(step)
+        runner.model.compute_logits(
+            SimpleNamespace(shape=(steps[step].total_num_scheduled_tokens,)))
+        runner.sample_tokens(step)
+        core.scheduler.update_from_output()
+
+    core.step_fn = core_step
+
+    def engine_step(step):
+        core.step_fn(step)
+        clock.now += 0.0003  # the front end's output processing
+
+    engine.step = engine_step
     timers = step_phases.instrument(runner)
+    step_phases.instrument_engine(timers, engine)
     timers.counting = True
     for step in (0, 1):
-        runner._prepare_inputs(step)
-        runner._model_forward(step)
-        runner.sample_tokens(step)
+        engine.step(step)
     assert timers.num_steps == 1
     figures = timers.per_step_ms()
     assert figures["forward"] == pytest.approx(20.0)
     assert figures["prepare_inputs"] == pytest.approx(1.0)
     assert figures["sample_tokens"] == pytest.approx(2.0)
+    assert figures["compute_logits"] == pytest.approx(5.0)
+    assert figures["engine: schedule"] == pytest.approx(0.5)
+    assert figures["engine: update_from_output"] == pytest.approx(0.1)
+    assert figures["engine: core step"] == pytest.approx(28.6)
+    assert figures["engine step"] == pytest.approx(28.9)
+    assert figures["forward rows"] == 4
+    assert figures["logits rows"] == 4
