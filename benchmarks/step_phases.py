@@ -66,10 +66,10 @@ class PhaseTimers:
         self.num_steps = 0
         self.spec_step = False
         self.counting = False
-        # Set by instrument_engine: a step then ends after the engine's
-        # whole step (scheduling and output processing included), not
-        # after the runner's sample_tokens.
-        self.engine_ends_step = False
+        # The phase whose end ends a step: the runner's last call, or the
+        # engine's whole step once instrument_engine has wrapped it
+        # (scheduling and output processing included).
+        self.step_phase = "sample_tokens"
 
     def wrap(self, owner: Any, attribute: str, phase: str) -> None:
         original = getattr(owner, attribute)
@@ -80,6 +80,8 @@ class PhaseTimers:
                 return original(*args, **kwargs)
             finally:
                 self.current[phase] += time.perf_counter() - started
+                if phase == self.step_phase:
+                    self.end_step()
 
         setattr(owner, attribute, timed)
 
@@ -127,18 +129,7 @@ def instrument(runner) -> PhaseTimers:
         return result
 
     runner._prepare_inputs = prepare_and_mark
-    sample_tokens = runner.sample_tokens
-
-    def sample_and_end_step(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return sample_tokens(*args, **kwargs)
-        finally:
-            timers.current["sample_tokens"] += time.perf_counter() - started
-            if not timers.engine_ends_step:
-                timers.end_step()
-
-    runner.sample_tokens = sample_and_end_step
+    timers.wrap(runner, "sample_tokens", "sample_tokens")
     return timers
 
 
@@ -155,18 +146,8 @@ def instrument_engine(timers: PhaseTimers, llm_engine) -> None:
     # (detokenization). Its process_outputs is not wrapped here: the run's
     # step counter wraps and then deletes it.
     timers.wrap(core, "step_fn", "engine: core step")
-    step = llm_engine.step
-
-    def step_and_end(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return step(*args, **kwargs)
-        finally:
-            timers.current["engine step"] += time.perf_counter() - started
-            timers.end_step()
-
-    llm_engine.step = step_and_end
-    timers.engine_ends_step = True
+    timers.wrap(llm_engine, "step", "engine step")
+    timers.step_phase = "engine step"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
