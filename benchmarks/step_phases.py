@@ -31,6 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from vllm_esp.core.goodput import SOURCE_CORPUS, SOURCE_ESP, SOURCE_LOOKUP
+
 # vLLM's runner phases, then ESP's (absent for other methods).
 RUNNER_PHASES = {
     "execute_model": "execute_model",
@@ -52,8 +56,14 @@ DRAFTER_PHASES = {
     "_update_mask_embeddings": "esp: mask embeddings",
 }
 
-# Per-step counts, not times: rows in the forward, rows given logits.
-COUNTS = ("forward rows", "logits rows")
+# ESP's candidate sources, by their index in vllm_esp.core.goodput.
+SOURCE_NAMES = tuple(name for _, name in sorted(
+    [(SOURCE_ESP, "esp"), (SOURCE_LOOKUP, "lookup"), (SOURCE_CORPUS, "cached answers")]))
+# Per-step counts, not times: rows in the forward, rows given logits, and
+# for ESP its mask rows and its drafted and accepted nodes by source.
+COUNTS = ("forward rows", "logits rows", "esp: mask rows",
+          *(f"esp: drafted from {name}" for name in SOURCE_NAMES),
+          *(f"esp: accepted from {name}" for name in SOURCE_NAMES))
 
 
 class PhaseTimers:
@@ -129,8 +139,30 @@ def instrument(runner) -> PhaseTimers:
         return result
 
     runner._prepare_inputs = prepare_and_mark
+    drafter = getattr(runner, "drafter", None)
+    if hasattr(drafter, "observe_verification"):
+        observe_verification = drafter.observe_verification
+
+        def count_sources(trees, chains, accepted, *args, **kwargs):
+            count_block_rows(timers.current, trees, chains, accepted)
+            return observe_verification(trees, chains, accepted, *args, **kwargs)
+
+        drafter.observe_verification = count_sources
     timers.wrap(runner, "sample_tokens", "sample_tokens")
     return timers
+
+
+def count_block_rows(counts: dict[str, float], trees, chains, accepted) -> None:
+    """Add one step's ESP blocks to ``counts``: mask rows, and drafted and
+    accepted tree nodes by candidate source (hybrid trees carry sources)."""
+    counts["esp: mask rows"] += float((trees.block_sizes() - trees.num_nodes).sum())
+    if trees.sources is None:
+        return
+    drafted, on_path = trees.verification_outcomes(chains, accepted)
+    for kind, nodes in (("drafted", drafted), ("accepted", on_path)):
+        per_source = np.bincount(trees.sources[nodes], minlength=len(SOURCE_NAMES))
+        for name, count in zip(SOURCE_NAMES, per_source):
+            counts[f"esp: {kind} from {name}"] += float(count)
 
 
 def instrument_engine(timers: PhaseTimers, llm_engine) -> None:

@@ -846,3 +846,47 @@ def test_step_phases_count_only_steps_that_verify_drafts(monkeypatch):
     assert figures["engine step"] == pytest.approx(28.9)
     assert figures["forward rows"] == 4
     assert figures["logits rows"] == 4
+
+
+def test_step_phases_count_mask_rows_and_drafts_by_source():
+    """ESP's blocks per step: mask rows, and drafted and accepted nodes by
+    candidate source, taken from what the drafter's calibration is given."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from benchmarks import step_phases
+    from vllm_esp.core.batch import TreeBatch
+    from vllm_esp.core.goodput import SOURCE_CORPUS, SOURCE_ESP, SOURCE_LOOKUP
+
+    seen = []
+
+    class Drafter:
+        def observe_verification(self, trees, chains, accepted, probed):
+            seen.append(accepted)
+
+    # root -> e1 (ESP) -> c1 (cached answers), root -> l1 (lookup); two
+    # masks (k = 2) on e1: 4 nodes, 6 rows.
+    trees = TreeBatch(np.array([[-1, 0, 1, 0]]), np.zeros((1, 4), np.int64),
+                      np.array([[False, True, False, False]]), np.array([4]),
+                      num_mask_tokens=2, reach=np.ones((1, 4), np.float32),
+                      sources=np.array([[0, SOURCE_ESP, SOURCE_CORPUS, SOURCE_LOOKUP]],
+                                       np.int8))
+    runner = SimpleNamespace(drafter=Drafter(), model=SimpleNamespace(
+        compute_logits=lambda hidden_states: None),
+        _prepare_inputs=lambda *args: None, sample_tokens=lambda *args: None)
+    timers = step_phases.instrument(runner)
+    timers.counting = timers.spec_step = True
+    # The chain root -> e1 -> c1, e1 accepted.
+    runner.drafter.observe_verification(trees, np.array([[0, 1, 2]]), np.array([1]),
+                                        np.array([True]))
+    timers.end_step()
+    assert len(seen) == 1  # the drafter's own method still ran
+    figures = timers.per_step_ms()
+    assert figures["esp: mask rows"] == 2
+    assert figures["esp: drafted from esp"] == 1
+    assert figures["esp: drafted from cached answers"] == 1
+    assert figures["esp: drafted from lookup"] == 1
+    assert figures["esp: accepted from esp"] == 1
+    assert figures["esp: accepted from cached answers"] == 0
+    assert figures["esp: accepted from lookup"] == 0

@@ -79,3 +79,28 @@ def test_without_a_cost_model_the_mask_value_keeps_its_prior():
     assert state.mask_calibration.seeded == 0.0
     assert state.mask_calibration.value == pytest.approx(0.1)
     assert state.calibration.accepted.sum() == pytest.approx(1.0)
+
+
+def test_the_periodic_log_counts_mask_rows_and_drafts_by_source(caplog):
+    state, observe = proposer(StepCostModel(fixed=0.002, per_row=0.001))
+    state.stats.interval = 0.0
+    trees, chains = two_blocks()
+    # Step 1: block 0 accepts e1 (ESP), block 1 accepts l2 (lookup).
+    observe(trees, chains, np.array([1, 1]), probed=np.array([True, False]))
+    # Step 2: nothing accepted.
+    observe(trees, chains, np.array([0, 0]), probed=np.array([False, False]))
+    with caplog.at_level("INFO", logger="vllm.esp"):
+        state.stats.step(10, state)
+    message = caplog.records[-1].getMessage()
+    # Two steps of the two blocks: 4 blocks of (8 + 2) / 2 = 5 rows, of
+    # which 2 x 4 are mask rows; ESP drafted e1 and e2 twice (e1 accepted
+    # once), lookup l1 and l2 twice (l2 accepted once), cached answers none.
+    assert "4 blocks of 5.0 rows (8 mask rows), 0.50 accepted per block" in message
+    assert "by source: esp 1/4, lookup 1/4, cached answers 0/0;" in message
+    # The counts start again after each log line.
+    with caplog.at_level("INFO", logger="vllm.esp"):
+        observe(trees, chains, np.array([2, 0]), probed=np.array([True, False]))
+        state.stats.step(10, state)
+    message = caplog.records[-1].getMessage()
+    assert "1 steps" in message and "(4 mask rows)" in message
+    assert "by source: esp 2/2, lookup 0/2, cached answers 0/0;" in message

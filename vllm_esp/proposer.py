@@ -52,6 +52,7 @@ from vllm_esp.core.goodput import (
     SOURCE_ESP,
     SOURCE_LOOKUP,
     AcceptanceCalibration,
+    NUM_SOURCES,
     MaskValueCalibration,
     StepBudget,
     StepCostModel,
@@ -116,12 +117,29 @@ class AutoStats:
 
     def _reset(self) -> None:
         self.num_steps = self.num_rows = self.num_blocks = 0
-        self.block_rows = self.accepted = 0
+        self.block_rows = self.accepted = self.mask_rows = 0
+        # Drafted and accepted nodes per candidate source (SOURCE_*): where
+        # the accepted tokens come from, so that a user can see whether the
+        # masks earn their rows on their model.
+        self.drafted_by_source = np.zeros(NUM_SOURCES, np.int64)
+        self.accepted_by_source = np.zeros(NUM_SOURCES, np.int64)
 
-    def blocks(self, block_sizes: np.ndarray, accepted: np.ndarray) -> None:
+    def blocks(self, block_sizes: np.ndarray, accepted: np.ndarray,
+               num_nodes: np.ndarray | None = None,
+               drafted_sources: np.ndarray | None = None,
+               accepted_sources: np.ndarray | None = None) -> None:
+        """One step's verified blocks: their sizes (rows), drafts accepted
+        per block, and optionally their tree nodes (the rest of a block's
+        rows are mask rows) and the sources of the drafted and the accepted
+        nodes."""
         self.num_blocks += int(block_sizes.shape[0])
         self.block_rows += int(block_sizes.sum())
         self.accepted += int(accepted.sum())
+        if num_nodes is not None:
+            self.mask_rows += int((block_sizes - num_nodes).sum())
+        if drafted_sources is not None:
+            self.drafted_by_source += np.bincount(drafted_sources, minlength=NUM_SOURCES)
+            self.accepted_by_source += np.bincount(accepted_sources, minlength=NUM_SOURCES)
 
     def step(self, rows: int, proposer: ESPProposer) -> None:
         self.num_steps += 1
@@ -133,12 +151,15 @@ class AutoStats:
         cost = proposer.cost_model
         scales = proposer.calibration.scales
         logger.info(
-            "ESP: %d steps, %.1f rows per step; %d blocks of %.1f rows, %.2f "
-            "accepted per block%s; calibration by estimated reach %s: esp x%s, "
-            "lookup x%s, cached answers x%s; mask rows' value %.3f",
+            "ESP: %d steps, %.1f rows per step; %d blocks of %.1f rows (%d mask "
+            "rows), %.2f accepted per block; drafts accepted/drafted by source: "
+            "esp %s, lookup %s, cached answers %s%s; calibration by estimated "
+            "reach %s: esp x%s, lookup x%s, cached answers x%s; mask rows' value %.3f",
             self.num_steps, self.num_rows / max(self.num_steps, 1), self.num_blocks,
-            self.block_rows / max(self.num_blocks, 1),
+            self.block_rows / max(self.num_blocks, 1), self.mask_rows,
             self.accepted / max(self.num_blocks, 1),
+            *(f"{self.accepted_by_source[source]}/{self.drafted_by_source[source]}"
+              for source in (SOURCE_ESP, SOURCE_LOOKUP, SOURCE_CORPUS)),
             "" if cost is None else
             f"; step cost {cost.fixed * 1e3:.1f} ms + {cost.per_request * 1e3:.2f} ms/request"
             f" + {cost.per_row * 1e3:.2f} ms/row",
@@ -449,7 +470,8 @@ class ESPProposer:
             esp = drafted & (trees.sources == SOURCE_ESP)
             self.mask_calibration.observe(int(probed.sum()), int((esp & on_path).sum()),
                                           int(esp.sum()), price)
-        self.stats.blocks(block_sizes, accepted)
+        self.stats.blocks(block_sizes, accepted, trees.num_nodes,
+                          trees.sources[drafted], trees.sources[on_path])
 
     def observe_step(self, rows: int, seconds: float, requests: int) -> None:
         """One decode step's measured time (``rows`` in its forward, of
