@@ -419,7 +419,8 @@ def test_low_estimates_scaled_down_leave_fewer_rows():
     # has estimates below 0.1.
     inputs["histories"] = np.random.default_rng(11).integers(1, 4, (8, 40))
     inputs["roots"] = inputs["histories"][:, -1].copy()
-    cost = dict(fixed_cost=1.0, cost_per_row=0.005, base_rows=8)
+    # Rows cheap enough that the plain proposal keeps nodes below 0.1.
+    cost = dict(fixed_cost=1.0, cost_per_row=0.002, base_rows=8)
     plain = proposer.propose(**inputs, budget=StepBudget(**cost))
     scales = np.ones((2, NUM_REACH_BUCKETS))
     scales[:, 0] = 0.3

@@ -14,6 +14,7 @@ from vllm_esp.core.batch import TreeProposer
 from vllm_esp.core.goodput import SOURCE_CORPUS, SOURCE_LOOKUP
 from vllm_esp.core.hybrid import (
     LOOKUP_ACCEPT,
+    LOOKUP_EXTEND,
     LOOKUP_MAX_CHAINS,
     LOOKUP_MAX_CONTEXT,
     LOOKUP_MAX_PEERS,
@@ -71,11 +72,12 @@ def test_docstring_worked_example():
                             lookup_accept=DOC_ACCEPT, mask_value=0.3)
     assert tree.root_token == CAT
     assert tree.tree_spec.num_mask_tokens == 1
-    assert _paths(tree) == {(SAT,), (SAT, DOT), (IS,)}
+    assert _paths(tree) == {(SAT,), (SAT, DOT), (SAT, DOT, THE), (SAT, DOT, THE, CAT),
+                            (IS,)}
     # BFS order, most probable first within a level.
-    assert tree.tokens.tolist() == [CAT, SAT, IS, DOT]
-    assert tree.tree_spec.parents == (-1, 0, 0, 1)
-    assert tree.tree_spec.masked == (True, True, True, True)
+    assert tree.tokens.tolist() == [CAT, SAT, IS, DOT, THE, CAT]
+    assert tree.tree_spec.parents == (-1, 0, 0, 1, 3, 4)
+    assert tree.tree_spec.masked == (True, False, True, False, False, False)
     assert tree.layout.block_size == 8
 
 
@@ -104,20 +106,23 @@ def test_find_ngram_matches_longest_then_all_occurrences():
 def test_lookup_path_follows_the_majority_and_scores_its_share():
     # "1 2" occurred three times: followed by 6 7, 6 8 and (most recently)
     # 9 9. Each occurrence shares 2 tokens of context, so the path is at
-    # most 2 tokens long.
+    # most 2 + LOOKUP_EXTEND tokens long (the node budget, 4, here).
     history = np.array([1, 2, 6, 7, 1, 2, 6, 8, 1, 2, 9, 9, 1, 2])
     chain = lookup_candidates(history, node_budget=4, lookup_accept=DOC_ACCEPT)
     # 6 is the majority (2 of 3). After 6 7 and 6 8 tie; the more recent
-    # occurrence's 8 wins. f_1 = 2/3, f_2 = 1/3.
-    assert chain.tokens.tolist() == [2, 6, 8]
-    assert chain.parents.tolist() == [-1, 0, 1]
-    expected = np.log([0.45 * 2 / 3, 0.45 * 0.6 / 3])
+    # occurrence's 8 wins. f_1 = 2/3, f_2 = 1/3. Past the context, that
+    # occurrence alone goes on: 1 2 (f 1/3), its scores falling with q.
+    assert LOOKUP_EXTEND >= 2
+    assert chain.tokens.tolist() == [2, 6, 8, 1, 2]
+    assert chain.parents.tolist() == [-1, 0, 1, 2, 3]
+    expected = np.log([0.45 * 2 / 3, 0.45 * 0.6 / 3, 0.45 * 0.6 * 0.7 / 3,
+                       0.45 * 0.6 * 0.7 * 0.75 / 3])
     np.testing.assert_allclose(chain.scores[1:].numpy(), expected, rtol=1e-6)
     # When all three agree, the same path scores higher.
     agreeing = np.array([1, 2, 6, 8, 1, 2, 6, 8, 1, 2, 6, 8, 1, 2])
     higher = lookup_candidates(agreeing, node_budget=4, lookup_accept=DOC_ACCEPT)
     assert higher.tokens[:3].tolist() == [2, 6, 8]
-    assert bool((higher.scores[1:3] > chain.scores[1:]).all())
+    assert bool((higher.scores[1:3] > chain.scores[1:3]).all())
     # A path stops where fewer than LOOKUP_MIN_SHARE of the votes agree
     # (11 occurrences of "1 2", each followed by another token).
     spread = np.concatenate([np.array([[1, 2, t, 50 + t] for t in range(3, 14)]).ravel(),
@@ -126,17 +131,44 @@ def test_lookup_path_follows_the_majority_and_scores_its_share():
     assert 1 / 11 < LOOKUP_MIN_SHARE and lone is None
 
 
+def test_a_path_runs_past_its_context_without_changing_which_context_wins():
+    # One earlier "9", after "5" (1 token of context with the history's
+    # end "1 9"), followed by 20 21 ... 29: the path takes 1 + LOOKUP_EXTEND
+    # of them, short of the node budget, its scores falling with q.
+    history = np.array([5, 9] + list(range(20, 30)) + [1, 9])
+    budget = 1 + LOOKUP_EXTEND + 3
+    chain = lookup_candidates(history, node_budget=budget, lookup_accept=DOC_ACCEPT)
+    assert chain.tokens[1:].tolist() == list(range(20, 20 + 1 + LOOKUP_EXTEND))
+    accept = np.array(DOC_ACCEPT)[np.minimum(np.arange(1, 2 + LOOKUP_EXTEND),
+                                             len(DOC_ACCEPT) - 1)]
+    np.testing.assert_allclose(chain.scores[1:].exp().numpy(), np.cumprod(accept),
+                               rtol=1e-5)
+    # Which context wins is decided on its first m tokens only. History
+    # ending "7 8 9": "7 8 9" occurred once (3 tokens of context), followed
+    # by 1 and the history's end (7 8 9): a path of 4, total share 3 over its
+    # first 3. "5 9" occurred five times (1 token), each followed by
+    # 3 4 5 6 0: share 5/6 on each of 1 + LOOKUP_EXTEND tokens, 5/6 over its
+    # first. Counting the tokens past the context, the 1-token path (5 *
+    # 5/6 > 4) would have won.
+    history = np.array([5, 9, 3, 4, 5, 6, 0] * 5 + [7, 8, 9, 1, 7, 8, 9])
+    assert LOOKUP_EXTEND >= 4
+    chain = lookup_candidates(history, node_budget=8, lookup_accept=DOC_ACCEPT)
+    assert chain.tokens[1:].tolist() == [1, 7, 8, 9]
+
+
 def test_the_better_source_comes_first_and_the_other_may_follow():
     corpus = AnswerCorpus(64)
     corpus.add([3, 4, 5, 6, 7, 8])
     corpus.add([0, 4, 5, 6, 7, 8])
-    # Own history: "4 5" -> 1 once (2 tokens of context); corpus: "3 4 5"
-    # -> 6 7 8 (3 tokens), a longer and fully agreeing path.
+    # Own history: "4 5" -> 1 once (2 tokens of context; the path runs on
+    # past them, 1 2 3 4, but only 1 2 count toward its total share, 2);
+    # corpus: "3 4 5" -> 6 7 8 (3 tokens, total 3), a fully agreeing path
+    # that stops at the answer's end.
     history = np.array([4, 5, 1, 2, 3, 4, 5])
     first, second = lookup_chains(history, node_budget=4, max_chains=2,
                                   lookup_accept=DOC_ACCEPT, corpus=corpus.tokens)
     assert first.tokens[1:].tolist() == [6, 7, 8]
-    assert second.tokens[1:].tolist() == [1, 2]
+    assert second.tokens[1:].tolist() == [1, 2, 3, 4]
     # The default is the better chain alone.
     (only,) = lookup_chains(history, node_budget=4, lookup_accept=DOC_ACCEPT,
                             corpus=corpus.tokens)
@@ -151,8 +183,9 @@ def test_merge_shares_prefix_and_keeps_larger_score(seed):
     # A second chain token that is not an ESP child of `first`.
     children = set(tree.tokens[tree.parents == 1].tolist())
     second = next(t for t in range(1, VOCAB) if t not in children and t != first)
-    # "12 0" occurred before: 2 tokens of context, a 2-token chain.
-    chain = lookup_candidates(np.array([12, 0, first, second, 12, 0]), node_budget=3)
+    # "12 0" occurred before: 2 tokens of context; a 2-token chain (the
+    # node budget).
+    chain = lookup_candidates(np.array([12, 0, first, second, 12, 0]), node_budget=2)
     merged = merge_candidates(tree, chain)
     shared = int(torch.nonzero((merged.parents == 0) & (merged.tokens == first))[0, 0])
     assert shared == 1
@@ -198,8 +231,9 @@ def _most_frequent_path(history, budget, max_context=LOOKUP_MAX_CONTEXT):
     """Brute force of the lookup path (``frequency_path_kernel``): the
     earlier occurrences of the last token, each with the context it shares
     with the end; for every context length m, the occurrences sharing at
-    least m vote token by token for at most m tokens while the agreeing
-    share is >= LOOKUP_MIN_SHARE; the largest total share wins."""
+    least m vote token by token for at most m + LOOKUP_EXTEND tokens while
+    the agreeing share is >= LOOKUP_MIN_SHARE; the largest total share of
+    the first m tokens wins."""
     history = history.tolist()
     size = len(history)
 
@@ -217,7 +251,7 @@ def _most_frequent_path(history, budget, max_context=LOOKUP_MAX_CONTEXT):
     for m in sorted({context(start) for start in listed}, reverse=True):
         members = [start for start in listed if context(start) >= m]
         path, total = [], 0.0
-        for d in range(min(budget, m)):
+        for d in range(min(budget, m + LOOKUP_EXTEND)):
             votes = [history[start + d] for start in members
                      if start + d < size and history[start:start + d] == path]
             if not votes:
@@ -228,7 +262,7 @@ def _most_frequent_path(history, budget, max_context=LOOKUP_MAX_CONTEXT):
             if share < LOOKUP_MIN_SHARE:
                 break
             path.append(token)
-            total += share
+            total += share if d < m else 0.0
         if total > best_total:
             best, best_total = path, total
     return best
@@ -317,17 +351,19 @@ def test_chains_from_earlier_answers_carry_their_own_source_tag():
                                 corpus=corpus_tokens, corpus_rows=corpus_rows)
 
     trees = propose(corpus.tokens)
-    # Request 0's chain comes from the cache, request 1's ("4" -> 5 9) from
-    # its own history.
+    # Request 0's chain comes from the cache, request 1's ("4" -> 5 9 4)
+    # from its own history.
     assert trees.tokens[0, :3].tolist() == [5, 6, 7]
     assert trees.sources[0, 1:3].tolist() == [SOURCE_CORPUS] * 2
-    # (1 token of context: a 1-token path; the cache's "4 5" ties, and the
-    # request's own history wins ties.)
-    assert trees.tokens[1, :2].tolist() == [4, 5]
-    assert trees.sources[1, 1] == SOURCE_LOOKUP
-    assert propose(None).num_nodes.tolist() == [0, 2]
+    # (1 token of context, so its total share is its first token's; the
+    # cache's "4 5 6 7" ties, and the request's own history wins ties. Past
+    # the context the own path goes on, to the node budget: 5 9.)
+    assert proposer.hybrid.node_budget == 2
+    assert trees.tokens[1, :3].tolist() == [4, 5, 9]
+    assert trees.sources[1, 1:3].tolist() == [SOURCE_LOOKUP] * 2
+    assert propose(None).num_nodes.tolist() == [0, 3]
     # Requests left out of the cache (seeded ones) see only their own history.
-    assert propose(corpus.tokens, np.array([False, True])).num_nodes.tolist() == [0, 2]
+    assert propose(corpus.tokens, np.array([False, True])).num_nodes.tolist() == [0, 3]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -362,25 +398,27 @@ def test_first_step_uses_lookup_or_placeholder():
     source = HybridSource(config)
     no_match = source.propose(ProposalContext([5, 6, 7], 7))
     assert no_match.draft_tokens.tolist() == [7, 7, 7, 7]  # ESP placeholder
-    # "5 6" occurred before: 2 tokens of context, a path of 2.
+    # "5 6" occurred before: 2 tokens of context, then the path runs on to
+    # the history's end.
     match = source.propose(ProposalContext([5, 6, 7, 5, 6], 6))
-    assert match.draft_tokens.tolist() == [7, 5]
+    assert match.draft_tokens.tolist() == [7, 5, 6]
     assert match.tree_spec.num_mask_tokens == 1
 
 
 def test_budget_goes_to_the_more_likely_source():
-    # The 6-token context occurred twice, followed by 4 5 6 7 2 3 and (more
-    # recently) 4 5 8 31 32 33: a chain whose estimates halve after "4 5".
+    # The 6-token context occurred twice, followed by 4 5 6 7 2 3 30 and
+    # (more recently) 4 5 8 31 32 33 34: a chain whose estimates halve
+    # after "4 5" (its 7th token is past the context).
     context = [20, 21, 22, 23, 24, 25]
     history = np.array(context + [4, 5, 6, 7, 2, 3, 30] + context
                        + [4, 5, 8, 31, 32, 33, 34] + context)
-    chain = (4, 5, 8, 31, 32, 33)
+    chain = (4, 5, 8, 31, 32, 33, 34)
     flat = torch.zeros(1, 40)  # ESP knows nothing: uniform masks
     tree = hybrid_next_tree(history, 25, flat, block_size=8, num_mask_tokens=1,
                             candidates=("esp", "ngram"), mask_value=0.3)
     # Every node is the chain's (none of ESP's uniform candidates), and it
     # gets most of the block.
-    assert _paths(tree) <= {chain[:d] for d in range(1, 7)}
+    assert _paths(tree) <= {chain[:d] for d in range(1, 8)}
     assert chain[:5] in _paths(tree)
     # A confident mask beats the chain's weaker deeper tokens, not its first.
     confident = _mask_logits({11: 0.97}, vocab=40)

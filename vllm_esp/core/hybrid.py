@@ -15,13 +15,14 @@ Algorithm (one call per request per step):
    the context ``m`` it shares with the history's end (up to 16 tokens).
    For every ``m`` they have, the occurrences sharing at least ``m`` tokens
    vote token by token: the path takes the continuation most of them
-   share, for at most ``m`` tokens (a short context predicts a short
-   way), while the share ``f_d`` that agrees with the whole path is at
-   least ``LOOKUP_MIN_SHARE``. The path with the largest total share wins,
-   the own history's among equals. Node ``c_d`` scores ``sum_{j<=d} log
-   q(m + j - 1) + log f_d``: ``q(m)`` is the measured chance that a lookup
-   token is accepted after an ``m``-token context (accepting a token
-   lengthens it).
+   share, for at most ``m + LOOKUP_EXTEND`` tokens (a short context
+   predicts a short way), while the share ``f_d`` that agrees with the
+   whole path is at least ``LOOKUP_MIN_SHARE``. The path whose first ``m``
+   tokens have the largest total share wins, the own history's among
+   equals. Node ``c_d`` scores ``sum_{j<=d} log q(m + j - 1) + log f_d``:
+   ``q(m)`` is the measured chance that a lookup token is accepted after
+   an ``m``-token context (accepting a token lengthens it). Past ``m`` the
+   scores keep falling, so only cheap rows go there.
 2. **ESP candidates.** The dynamic tree's candidates (paper Algorithm 1,
    ``esp_candidates``): cumulative mask log-probabilities, plus
    ``log ESP_WEIGHT`` (mask probabilities overstate acceptance).
@@ -38,22 +39,24 @@ Algorithm (one call per request per step):
 
 Worked example, a block of 8 rows, ``k = 1``, ``q = (0, .25, .45, .6, .7,
 .75)``, ESP weight 0.5, mask value 0.3, history ``x the cat sat . the cat``
-(root ``cat``):
+(root ``cat``), ``LOOKUP_EXTEND`` 4:
 
     lookup: "cat" occurred once, after "the" like the history's end (2
-            tokens of context), followed by "sat .": a path of at most 2,
-            each with share 1: sat .45, "." .45*.6 = .27
+            tokens of context), followed by "sat . the cat" and the
+            history's end: a path of at most 2 + 4 tokens, here 4, each
+            with share 1: sat .45, "." .45*.6 = .27, the .27*.7 = .189,
+            cat .189*.75 = .142
     ESP:    mask top candidates is (p .5), sat (.3), was (.1), scaled by .5:
             is .25, sat .15, was .05
     merge:  "sat" is in both: one node, score max(.45, .15) = .45
     allocate (per row): sat .45 (beats the root's masks, .3), "." .27 (beats
-            the root's .3 * (1 - .45)), is .25, then masks: the root's
-            (.3 * (1 - .45 - .25) = .09), "."'s (.3 * .27 = .081), is's
-            (.075), sat's (.3 * (.45 - .27) = .054), each beating was's
-            .05 * (1 - .3) = .035
+            the root's .3 * (1 - .45)), is .25, the .189, cat .142, then
+            masks: the root's (.3 * (1 - .45 - .25) = .09) and is's (.3 *
+            .25 = .075), each beating was's .05 * (1 - .3) = .035 and the
+            other nodes' masks (sat's .3 * (.45 - .27) = .054 and less)
 
-    tree:   cat -> {sat -> ., is}, every node masked: 4 nodes + 4 mask rows
-            = 8 rows
+    tree:   cat -> {sat -> . -> the -> cat, is}, the root and "is" masked:
+            6 nodes + 2 mask rows = 8 rows
 
 With only ``"ngram"`` the tree is the first lookup chain (step 1) of
 up to ``block_size - 1`` tokens (no masks); with only ``"esp"`` the hybrid is not used
@@ -116,6 +119,14 @@ LOOKUP_MAX_PEERS = 64
 # A lookup path stops where less than this share of its occurrences agree
 # with it (suffix decoding's min_token_prob default).
 LOOKUP_MIN_SHARE = 0.1
+# A lookup path may run this many tokens past the context ``m`` it matched
+# (suffix decoding stops at ``m``). Those tokens are right less often, and
+# their estimates fall with them, so the allocation buys them only where
+# rows are cheap (batch 1 on CPU: a row there costs about 1% of a step).
+# In a replay of greedy answers (no model; docs/results.md, "Lookup past its
+# context") they added 5-8% tokens per step at a threshold of 0.05 on the
+# estimates, and nothing at 0.3 or above.
+LOOKUP_EXTEND = 4
 # Mask probabilities overstate acceptance: a level-1 candidate with mask
 # probability p was the next token about 0.35 p of the time (same script).
 ESP_WEIGHT = 0.35
@@ -210,10 +221,12 @@ def frequency_path_kernel(history, starts, contexts, count, node_budget, lookup_
     length ``m`` they have, the occurrences sharing at least ``m`` tokens
     (a prefix of the list) vote token by token: the path takes the
     continuation most of them share (the earliest listed among ties), for
-    at most ``m`` tokens, while the share ``f_d`` that agrees with the whole
-    path so far is at least ``LOOKUP_MIN_SHARE``. The ``m`` whose path has
-    the largest total share wins, the longer context among equals. Node
-    ``d`` scores ``sum_{j <= d} log q(m + j - 1) + log f_d``."""
+    at most ``m + LOOKUP_EXTEND`` tokens, while the share ``f_d`` that
+    agrees with the whole path so far is at least ``LOOKUP_MIN_SHARE``. The
+    ``m`` whose path has the largest total share over its first ``m``
+    tokens wins, the longer context among equals (so the extension never
+    changes which ``m`` wins). Node ``d`` scores ``sum_{j <= d} log q(m + j
+    - 1) + log f_d``."""
     size = history.shape[0]
     table_size = lookup_accept.shape[0]
     alive = np.empty(max(count, 1), np.bool_)
@@ -227,7 +240,7 @@ def frequency_path_kernel(history, starts, contexts, count, node_budget, lookup_
         members = end
         while end > 0 and contexts[end - 1] == context:
             end -= 1
-        limit = min(node_budget, context)
+        limit = min(node_budget, context + LOOKUP_EXTEND)
         for j in range(members):
             alive[j] = True
         total = 0.0
@@ -258,7 +271,8 @@ def frequency_path_kernel(history, starts, contexts, count, node_budget, lookup_
             log_accept += math.log(lookup_accept[min(context + d, table_size - 1)])
             path_tokens[d] = best_token
             path_scores[d] = np.float32(log_accept + math.log(share))
-            total += share
+            if d < context:
+                total += share
             length += 1
         if total > best_total:
             best_total = total
