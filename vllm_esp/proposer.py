@@ -48,11 +48,11 @@ from vllm_esp.core.batch import (
     select_chains_flat,
 )
 from vllm_esp.core.goodput import (
+    NUM_SOURCES,
     SOURCE_CORPUS,
     SOURCE_ESP,
     SOURCE_LOOKUP,
     AcceptanceCalibration,
-    NUM_SOURCES,
     MaskValueCalibration,
     StepBudget,
     StepCostModel,
@@ -124,22 +124,17 @@ class AutoStats:
         self.drafted_by_source = np.zeros(NUM_SOURCES, np.int64)
         self.accepted_by_source = np.zeros(NUM_SOURCES, np.int64)
 
-    def blocks(self, block_sizes: np.ndarray, accepted: np.ndarray,
-               num_nodes: np.ndarray | None = None,
-               drafted_sources: np.ndarray | None = None,
-               accepted_sources: np.ndarray | None = None) -> None:
+    def blocks(self, block_sizes: np.ndarray, accepted: np.ndarray, num_nodes: np.ndarray,
+               drafted_sources: np.ndarray, accepted_sources: np.ndarray) -> None:
         """One step's verified blocks: their sizes (rows), drafts accepted
-        per block, and optionally their tree nodes (the rest of a block's
-        rows are mask rows) and the sources of the drafted and the accepted
-        nodes."""
+        per block, their tree nodes (the rest of a block's rows are mask
+        rows), and the sources of the drafted and of the accepted nodes."""
         self.num_blocks += int(block_sizes.shape[0])
         self.block_rows += int(block_sizes.sum())
         self.accepted += int(accepted.sum())
-        if num_nodes is not None:
-            self.mask_rows += int((block_sizes - num_nodes).sum())
-        if drafted_sources is not None:
-            self.drafted_by_source += np.bincount(drafted_sources, minlength=NUM_SOURCES)
-            self.accepted_by_source += np.bincount(accepted_sources, minlength=NUM_SOURCES)
+        self.mask_rows += int((block_sizes - num_nodes).sum())
+        self.drafted_by_source += np.bincount(drafted_sources, minlength=NUM_SOURCES)
+        self.accepted_by_source += np.bincount(accepted_sources, minlength=NUM_SOURCES)
 
     def step(self, rows: int, proposer: ESPProposer) -> None:
         self.num_steps += 1
