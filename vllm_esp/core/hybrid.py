@@ -123,9 +123,10 @@ LOOKUP_MIN_SHARE = 0.1
 # (suffix decoding stops at ``m``). Those tokens are right less often, and
 # their estimates fall with them, so the allocation buys them only where
 # rows are cheap (batch 1 on CPU: a row there costs about 1% of a step).
-# In a replay of greedy answers (no model; docs/results.md, "Lookup past its
-# context") they added 5-8% tokens per step at a threshold of 0.05 on the
-# estimates, and nothing at 0.3 or above.
+# In a replay of greedy answers to Spec-Bench questions 1-4 (not the
+# benchmark's; no model; docs/results.md, "Where the accepted tokens come
+# from") they added 5% (SmolLM2) to 10% (Gemma-3) tokens per step at a
+# threshold of 0.05 on the estimates, and almost none at 0.3.
 LOOKUP_EXTEND = 4
 # Mask probabilities overstate acceptance: a level-1 candidate with mask
 # probability p was the next token about 0.35 p of the time (same script).
