@@ -139,28 +139,32 @@ def instrument(runner) -> PhaseTimers:
         return result
 
     runner._prepare_inputs = prepare_and_mark
-    drafter = getattr(runner, "drafter", None)
-    if hasattr(drafter, "observe_verification"):
-        observe_verification = drafter.observe_verification
+    stats = getattr(getattr(runner, "drafter", None), "stats", None)
+    if hasattr(stats, "blocks"):
+        # ESP's periodic log line is given each step's verified blocks;
+        # the same figures, per step, are counted here.
+        log_blocks = stats.blocks
 
-        def count_sources(trees, chains, accepted, *args, **kwargs):
-            count_block_rows(timers.current, trees, chains, accepted)
-            return observe_verification(trees, chains, accepted, *args, **kwargs)
+        def count_blocks(block_sizes, accepted, num_nodes, drafted_sources,
+                         accepted_sources):
+            count_block_rows(timers.current, block_sizes, num_nodes, drafted_sources,
+                             accepted_sources)
+            return log_blocks(block_sizes, accepted, num_nodes, drafted_sources,
+                              accepted_sources)
 
-        drafter.observe_verification = count_sources
+        stats.blocks = count_blocks
     timers.wrap(runner, "sample_tokens", "sample_tokens")
     return timers
 
 
-def count_block_rows(counts: dict[str, float], trees, chains, accepted) -> None:
-    """Add one step's ESP blocks to ``counts``: mask rows, and drafted and
-    accepted tree nodes by candidate source (hybrid trees carry sources)."""
-    counts["esp: mask rows"] += float((trees.block_sizes() - trees.num_nodes).sum())
-    if trees.sources is None:
-        return
-    drafted, on_path = trees.verification_outcomes(chains, accepted)
-    for kind, nodes in (("drafted", drafted), ("accepted", on_path)):
-        per_source = np.bincount(trees.sources[nodes], minlength=len(SOURCE_NAMES))
+def count_block_rows(counts: dict[str, float], block_sizes, num_nodes, drafted_sources,
+                     accepted_sources) -> None:
+    """Add one step's ESP blocks, as ``AutoStats.blocks`` is given them, to
+    ``counts``: mask rows (a block's rows beyond its tree nodes), and
+    drafted and accepted tree nodes by candidate source."""
+    counts["esp: mask rows"] += float((block_sizes - num_nodes).sum())
+    for kind, sources in (("drafted", drafted_sources), ("accepted", accepted_sources)):
+        per_source = np.bincount(sources, minlength=len(SOURCE_NAMES))
         for name, count in zip(SOURCE_NAMES, per_source):
             counts[f"esp: {kind} from {name}"] += float(count)
 

@@ -850,20 +850,29 @@ def test_step_phases_count_only_steps_that_verify_drafts(monkeypatch):
 
 def test_step_phases_count_mask_rows_and_drafts_by_source():
     """ESP's blocks per step: mask rows, and drafted and accepted nodes by
-    candidate source, taken from what the drafter's calibration is given."""
+    candidate source, taken from what ESP's own periodic log line is given
+    (the drafter's real ``observe_verification`` on a hand-built block)."""
     from types import SimpleNamespace
 
     import numpy as np
 
     from benchmarks import step_phases
     from vllm_esp.core.batch import TreeBatch
-    from vllm_esp.core.goodput import SOURCE_CORPUS, SOURCE_ESP, SOURCE_LOOKUP
-
-    seen = []
+    from vllm_esp.core.goodput import (
+        SOURCE_CORPUS,
+        SOURCE_ESP,
+        SOURCE_LOOKUP,
+        AcceptanceCalibration,
+    )
+    from vllm_esp.proposer import AutoStats, ESPProposer
 
     class Drafter:
-        def observe_verification(self, trees, chains, accepted, probed):
-            seen.append(accepted)
+        observe_verification = ESPProposer.observe_verification
+
+        def __init__(self):
+            self.calibration = AcceptanceCalibration()
+            self.cost_model = None
+            self.stats = AutoStats()
 
     # root -> e1 (ESP) -> c1 (cached answers), root -> l1 (lookup); two
     # masks (k = 2) on e1: 4 nodes, 6 rows.
@@ -881,7 +890,9 @@ def test_step_phases_count_mask_rows_and_drafts_by_source():
     runner.drafter.observe_verification(trees, np.array([[0, 1, 2]]), np.array([1]),
                                         np.array([True]))
     timers.end_step()
-    assert len(seen) == 1  # the drafter's own method still ran
+    # The log line's own counts still ran.
+    assert runner.drafter.stats.mask_rows == 2
+    assert runner.drafter.stats.accepted_by_source.tolist() == [1, 0, 0]
     figures = timers.per_step_ms()
     assert figures["esp: mask rows"] == 2
     assert figures["esp: drafted from esp"] == 1
