@@ -141,15 +141,32 @@ def _run(command: list[str]) -> str:
         return ""
 
 
+def vector_isa(flags: set[str]) -> str:
+    """The widest x86 vector extensions among a CPU's flags. ESP's kernel
+    and vLLM's CPU kernels are built for the CPU at hand, so runs on two
+    machines of the same model name but different extensions differ."""
+    names = []
+    if "avx512f" in flags:
+        names.append("AVX-512")
+    elif "avx2" in flags:
+        names.append("AVX2")
+    if "amx_tile" in flags:
+        names.append("AMX")
+    return ", ".join(names)
+
+
 def machine_summary() -> dict[str, Any]:
     cpu_model = ""
+    flags: set[str] = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and not cpu_model:
                 cpu_model = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    isa = vector_isa(flags)
     ram_gib = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -162,10 +179,11 @@ def machine_summary() -> dict[str, Any]:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = cpus
+    cpu = ", ".join(part for part in (cpu_model or "unknown CPU", isa) if part)
     return {"cpu_count": cpus, "usable_cpus": usable, "cpu_model": cpu_model,
-            "ram_gib": ram_gib, "platform": platform.platform(),
+            "vector_isa": isa, "ram_gib": ram_gib, "platform": platform.platform(),
             "python": platform.python_version(),
-            "summary": f"{usable} CPUs ({cpu_model or 'unknown CPU'}), {ram_gib} GiB RAM"}
+            "summary": f"{usable} CPUs ({cpu}), {ram_gib} GiB RAM"}
 
 
 def _version(*distributions: str) -> str | None:

@@ -901,3 +901,17 @@ def test_step_phases_count_mask_rows_and_drafts_by_source():
     assert figures["esp: accepted from esp"] == 1
     assert figures["esp: accepted from cached answers"] == 0
     assert figures["esp: accepted from lookup"] == 0
+
+
+def test_the_machine_summary_names_the_vector_extensions():
+    """Results name AVX-512 or AVX2 (and AMX): the same CPU model name has
+    come with either on this project's machines, and the kernels differ."""
+    from benchmarks.spec_bench import machine_summary, vector_isa
+
+    assert vector_isa({"sse2", "avx2", "avx512f", "avx512bw"}) == "AVX-512"
+    assert vector_isa({"sse2", "avx2"}) == "AVX2"
+    assert vector_isa({"avx2", "avx512f", "amx_tile", "amx_bf16"}) == "AVX-512, AMX"
+    assert vector_isa({"neon"}) == ""
+    machine = machine_summary()
+    if machine["vector_isa"]:
+        assert f", {machine['vector_isa']})" in machine["summary"]
