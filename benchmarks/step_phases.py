@@ -31,8 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from vllm_esp.core.goodput import SOURCE_CORPUS, SOURCE_ESP, SOURCE_LOOKUP
 
 # vLLM's runner phases, then ESP's (absent for other methods).
@@ -141,31 +139,31 @@ def instrument(runner) -> PhaseTimers:
     runner._prepare_inputs = prepare_and_mark
     stats = getattr(getattr(runner, "drafter", None), "stats", None)
     if hasattr(stats, "blocks"):
-        # ESP's periodic log line is given each step's verified blocks;
-        # the same figures, per step, are counted here.
+        # ESP's periodic log line counts each step's verified blocks; what
+        # one call adds to its counters is this step's share.
         log_blocks = stats.blocks
 
-        def count_blocks(block_sizes, accepted, num_nodes, drafted_sources,
-                         accepted_sources):
-            count_block_rows(timers.current, block_sizes, num_nodes, drafted_sources,
-                             accepted_sources)
-            return log_blocks(block_sizes, accepted, num_nodes, drafted_sources,
-                              accepted_sources)
+        def count_blocks(*args, **kwargs):
+            before = (stats.mask_rows, stats.drafted_by_source.copy(),
+                      stats.accepted_by_source.copy())
+            log_blocks(*args, **kwargs)
+            count_block_rows(timers.current, stats, before)
 
         stats.blocks = count_blocks
     timers.wrap(runner, "sample_tokens", "sample_tokens")
     return timers
 
 
-def count_block_rows(counts: dict[str, float], block_sizes, num_nodes, drafted_sources,
-                     accepted_sources) -> None:
-    """Add one step's ESP blocks, as ``AutoStats.blocks`` is given them, to
-    ``counts``: mask rows (a block's rows beyond its tree nodes), and
-    drafted and accepted tree nodes by candidate source."""
-    counts["esp: mask rows"] += float((block_sizes - num_nodes).sum())
-    for kind, sources in (("drafted", drafted_sources), ("accepted", accepted_sources)):
-        per_source = np.bincount(sources, minlength=len(SOURCE_NAMES))
-        for name, count in zip(SOURCE_NAMES, per_source):
+def count_block_rows(counts: dict[str, float], stats, before) -> None:
+    """Add to ``counts`` what one ``AutoStats.blocks`` call added to
+    ``stats`` since ``before`` (its mask rows and drafted and accepted
+    nodes by source): mask rows, and drafted and accepted tree nodes by
+    candidate source."""
+    mask_rows, drafted, accepted = before
+    counts["esp: mask rows"] += float(stats.mask_rows - mask_rows)
+    for kind, now, then in (("drafted", stats.drafted_by_source, drafted),
+                            ("accepted", stats.accepted_by_source, accepted)):
+        for name, count in zip(SOURCE_NAMES, now - then):
             counts[f"esp: {kind} from {name}"] += float(count)
 
 
