@@ -34,6 +34,7 @@ from vllm_esp.config import ESPConfig, ESPConfigError
     ({"lookup_cache_tokens": 10**6}, ["lookup_cache_tokens", "0 to 65536"]),
     ({"lookup_cache_tokens": True}, ["lookup_cache_tokens"]),
     ({"candidates": ["esp"], "lookup_cache_tokens": 100}, ["lookup_cache_tokens", "ngram"]),
+    ({"sampling_verification": "walk"}, ["sampling_verification", '"tree" | "chain"']),
 ])
 def test_bad_options_name_key_and_allowed_values(options, must_mention):
     with pytest.raises(ESPConfigError) as error:
@@ -61,6 +62,12 @@ def test_defaults_and_geometry():
     assert default.lookup_cache_tokens == 8192
     assert ESPConfig.from_dict({"lookup_cache_tokens": 0}).lookup_cache_tokens == 0
     assert ESPConfig.from_dict({"candidates": ["esp"]}).lookup_cache_tokens == 0
+    # Sampled trees are walked unless asked otherwise; the choice reaches
+    # the workers.
+    assert default.tree_sampling
+    chain = ESPConfig.from_dict({"sampling_verification": "chain"})
+    assert not chain.tree_sampling
+    assert ESPConfig.from_serialized(chain.to_dict()) == chain
 
 
 def _engine_args(**kwargs):

@@ -13,38 +13,14 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-import torch
 
 from vllm_esp_dev.runs import run_once
+from vllm_esp_dev.stats import chi_square_homogeneity_p
 
 pytestmark = pytest.mark.vllm
 
 NUM_SAMPLES = 2000
 PROMPT = [11, 42, 7, 300, 5, 91, 250, 3]
-
-
-def chi_square_homogeneity_p(first: Counter, second: Counter, min_expected=5.0) -> float:
-    """Two-sample Pearson chi-square p-value; rare cells are pooled."""
-    total_first, total_second = sum(first.values()), sum(second.values())
-    cells, pooled = [], [0, 0]
-    for key in set(first) | set(second):
-        a, b = first.get(key, 0), second.get(key, 0)
-        expected = (a + b) * min(total_first, total_second) / (total_first + total_second)
-        if expected < min_expected:
-            pooled[0] += a
-            pooled[1] += b
-        else:
-            cells.append((a, b))
-    if sum(pooled):
-        cells.append(tuple(pooled))
-    statistic = 0.0
-    for a, b in cells:
-        expected_a = (a + b) * total_first / (total_first + total_second)
-        expected_b = (a + b) * total_second / (total_first + total_second)
-        statistic += (a - expected_a) ** 2 / expected_a + (b - expected_b) ** 2 / expected_b
-    dof = max(len(cells) - 1, 1)
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         torch.tensor(statistic / 2.0, dtype=torch.float64)))
 
 
 def test_chi_square_helper_detects_a_shift():

@@ -51,8 +51,15 @@ ALLOWED_KEYS = (
     "candidates",
     "max_block_complexity",
     "lookup_cache_tokens",
+    "sampling_verification",
 )
 AUTO = "auto"
+# How a sampled request's tree is verified: "tree" walks it, drawing at each
+# node (vllm_esp.sampling: a level is accepted with the sum of its
+# children's probabilities); "chain" reduces it to one chain for vLLM's
+# rejection sampler (the highest-logit child at each level). Greedy requests
+# are verified exactly either way.
+SAMPLING_VERIFICATIONS = ("tree", "chain")
 # The largest block 'auto' may give one request. On the 2-core CPU this was
 # built on, the goodput allocation rarely wants more than ~20 rows even at
 # batch 1; larger caps only reserve KV slots (num_speculative_tokens).
@@ -99,6 +106,7 @@ class ESPConfig:
     auto: bool = False
     # Earlier answers kept for prompt lookup across requests (hybrid only).
     lookup_cache_tokens: int = 0
+    sampling_verification: str = "tree"
 
     def __post_init__(self) -> None:
         self._validate()
@@ -183,6 +191,7 @@ class ESPConfig:
             ema=options.get("ema", 0.1),
             candidates=tuple(c for c in CANDIDATE_SOURCES if c in candidates),
             lookup_cache_tokens=lookup_cache_tokens,
+            sampling_verification=options.get("sampling_verification", "tree"),
         )
 
     def _validate(self) -> None:
@@ -223,6 +232,9 @@ class ESPConfig:
                         f"a non-empty subset of {list(CANDIDATE_SOURCES)}")
         _check_int("lookup_cache_tokens", self.lookup_cache_tokens, 0,
                    MAX_LOOKUP_CACHE_TOKENS, hint=" (0: no cache)")
+        if self.sampling_verification not in SAMPLING_VERIFICATIONS:
+            raise _fail("sampling_verification", self.sampling_verification,
+                        " | ".join(f'"{v}"' for v in SAMPLING_VERIFICATIONS))
         if self.num_draft_slots > MAX_DRAFT_SLOTS:
             raise ESPConfigError(
                 f"ESP speculative_config: the block has {self.block_size} "
@@ -236,6 +248,11 @@ class ESPConfig:
     @property
     def is_dynamic(self) -> bool:
         return self.block_complexity is not None
+
+    @property
+    def tree_sampling(self) -> bool:
+        """Sampled requests' trees are walked (``vllm_esp.sampling``)."""
+        return self.sampling_verification == "tree"
 
     @property
     def num_nodes(self) -> int:
@@ -284,6 +301,7 @@ class ESPConfig:
             ema=data["ema"],
             candidates=tuple(data.get("candidates", ("esp",))),
             lookup_cache_tokens=data.get("lookup_cache_tokens", 0),
+            sampling_verification=data.get("sampling_verification", "tree"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -293,6 +311,7 @@ class ESPConfig:
             "ema": self.ema,
             "candidates": list(self.candidates),
             "lookup_cache_tokens": self.lookup_cache_tokens,
+            "sampling_verification": self.sampling_verification,
         }
         if self.tree is not None:
             out["tree"] = list(self.tree)

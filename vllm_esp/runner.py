@@ -64,9 +64,11 @@ from vllm_esp.core.batch import (
 )
 from vllm_esp.core.goodput import StepCostModel
 from vllm_esp.core.proposal import mask_candidates
+from vllm_esp.core.tree_walk import verification_forest
 from vllm_esp.kernels import cache_root, cpu_fingerprint
 from vllm_esp.profiling import scope
 from vllm_esp.proposer import ESPDraftTokenIds, ESPProposer
+from vllm_esp.sampling import TreeWalkSampler, greedy_requests, unsupported
 from vllm_esp.step import ESPStep, set_current_step
 
 # Under "vllm." so that vLLM's logging configuration (format, level,
@@ -165,6 +167,9 @@ class ESPModelRunnerMixin:
         self._esp_step_rows = self._esp_step_requests = 0
         self._esp_tensor_parallel = self.parallel_config.tensor_parallel_size > 1
         self._esp_decode_request_steps = self._esp_decode_rows = 0
+        self._esp_walk_steps = 0
+        self.esp_tree_sampler = TreeWalkSampler(self.sampler)
+        self._esp_chain_reasons: set[str] = set()
 
     # ---------------------------------------------------------------- states
     def _update_states(self, scheduler_output):
@@ -344,7 +349,7 @@ class ESPModelRunnerMixin:
     # --------------------------------------------------------------- forward
     def esp_row_counts(self) -> dict[str, int]:
         return {"decode_request_steps": self._esp_decode_request_steps,
-                "rows": self._esp_decode_rows}
+                "rows": self._esp_decode_rows, "walk_steps": self._esp_walk_steps}
 
     def _count_decode_rows(self, scheduler_output) -> int:
         """Add this step's decoding requests and their verification rows to
@@ -399,9 +404,11 @@ class ESPModelRunnerMixin:
         if step is None:
             return super()._sample(logits, spec_decode_metadata)
         self._esp_step = None
+        sampling_metadata = self.input_batch.sampling_metadata
+        if self._esp_walks(step, sampling_metadata):
+            return self._esp_walk(step, logits, spec_decode_metadata, sampling_metadata)
         with scope("esp: verify"):
             chains, lengths = self._esp_select_chains(step, logits)
-            sampling_metadata = self.input_batch.sampling_metadata
             # The sampler copies out only the rows the metadata names, so
             # without logprobs it reads the block's rows in place: one copy
             # of rows x vocab floats less per step (with Gemma-3's 262k
@@ -429,6 +436,48 @@ class ESPModelRunnerMixin:
         with scope("esp: sampler"):
             sampler_output = self.rejection_sampler(
                 chain_metadata, None, verified_logits, sampling_metadata)
+        with scope("esp: after verification"):
+            self._esp_after_verification(step, chains, sampler_output, logits)
+        return sampler_output
+
+    def _esp_walks(self, step: ESPStep, sampling_metadata) -> bool:
+        """Whether this step is verified by the tree walk: some block's
+        request samples (greedy trees reduce to a chain exactly, and vLLM's
+        sampler verifies those as before), and the sampling parameters are
+        ones the walk honours (``vllm_esp.sampling.unsupported``)."""
+        if sampling_metadata.all_greedy or not self.esp_config.tree_sampling:
+            return False
+        greedy = greedy_requests(sampling_metadata, self.input_batch.num_reqs)
+        if greedy[step.batch_indices].all():
+            return False
+        reason = unsupported(sampling_metadata)
+        if reason is not None:
+            if reason not in self._esp_chain_reasons:
+                self._esp_chain_reasons.add(reason)
+                logger.info("ESP: sampled trees are verified as chains in steps with %s "
+                            "(the tree walk does not honour it)", reason)
+            return False
+        return True
+
+    def _esp_walk(self, step: ESPStep, logits, spec_decode_metadata, sampling_metadata):
+        """Verify every request of the step by walking its tree
+        (``core.tree_walk``): blocks their trees, other requests the chain
+        of their drafts or their root alone."""
+        self._esp_walk_steps += 1
+        with scope("esp: tree walk"):
+            forest = verification_forest(
+                self._esp_logit_starts, step.batch_indices, step.trees.parents,
+                step.trees.tokens, step.trees.num_nodes,
+                np.asarray(spec_decode_metadata.num_draft_tokens, np.int64),
+                spec_decode_metadata.draft_token_ids.cpu().numpy())
+            sampler_output, paths, _ = self.esp_tree_sampler(logits, forest,
+                                                             sampling_metadata)
+            # Each block's accepted path as node indices of its tree.
+            width = step.trees.parents.shape[1]
+            chains = np.zeros((step.num_blocks, width), np.int64)
+            depth = min(width, paths.shape[1])
+            chains[:, :depth] = (paths[step.batch_indices, :depth]
+                                 - forest.node_starts[step.batch_indices, None])
         with scope("esp: after verification"):
             self._esp_after_verification(step, chains, sampler_output, logits)
         return sampler_output

@@ -81,3 +81,42 @@ class OracleSource:
             parent = level_start + true_slot
         tree_spec = TreeSpec(tuple(parents), num_mask_tokens=self.config.num_mask_tokens)
         return DraftTree(tree_spec, torch.tensor(tokens))
+
+
+class LikelyTokensSource:
+    """A test-only source whose trees hold the target's likely next tokens.
+
+    ``table`` pairs a token history with the tokens to draft after it (say
+    the target's top tokens there, read from a plain run's logprobs). Each
+    request's tree hangs ``table[history]`` under the root and, under each
+    of those children, ``table[history + child]``, and so on; a request
+    whose history is not in the table gets no tree. With sampling most
+    draws then land on a child: the tree walk's accept path is taken often,
+    at several depths. Injected like :class:`OracleSource`.
+    """
+
+    def __init__(self, config: ESPConfig, table: list[list[list[int]]]) -> None:
+        self.config = config
+        self.table = {tuple(history): list(tokens) for history, tokens in table}
+        self.max_nodes = config.num_nodes
+        self.candidate_width = 1
+
+    def propose(self, histories, history_rows, history_starts, history_ends, roots,
+                cand_tokens, cand_log_probs, has_candidates, vocab_size, out=None,
+                **unused):
+        trees = []
+        for row, start, end, root in zip(history_rows, history_starts, history_ends, roots):
+            history = tuple(int(t) for t in histories[row, start:end])
+            parents, tokens, contexts = [-1], [int(root)], [history]
+            node = 0
+            while node < len(tokens):
+                for token in self.table.get(contexts[node], []):
+                    if len(tokens) < self.max_nodes:
+                        parents.append(node)
+                        tokens.append(token)
+                        contexts.append(contexts[node] + (token,))
+                node += 1
+            trees.append(None if len(tokens) == 1 else DraftTree(
+                TreeSpec(tuple(parents), num_mask_tokens=self.config.num_mask_tokens),
+                torch.tensor(tokens)))
+        return TreeBatch.from_trees(trees, self.config.num_mask_tokens)
