@@ -326,3 +326,70 @@ def test_a_repeated_request_is_drafted_from_earlier_answers(smollm2_dir, prompts
     # about the same; with it, the second accepts most of the answer.
     assert second.counters[accepted] >= first.counters[accepted] + 16
     assert second.counters[accepted] >= 0.5 * len(second.token_ids[0])
+
+
+def _ask(llm, prompt_ids, params, cache_salt=None):
+    """One request (with ``cache_salt`` if given): its tokens, its accepted
+    drafts, and ESP's drafted and accepted tree nodes that came from
+    earlier answers (read from the in-process worker's proposer)."""
+    from vllm.inputs import TokensPrompt
+
+    from vllm_esp.core.goodput import SOURCE_CORPUS
+    from vllm_esp_dev.runs import spec_counters
+
+    def from_answers(worker):
+        stats = worker.model_runner.drafter.stats
+        stats.interval = float("inf")  # no periodic log line: it resets the counts
+        return (int(stats.drafted_by_source[SOURCE_CORPUS]),
+                int(stats.accepted_by_source[SOURCE_CORPUS]))
+
+    accepted = "vllm:spec_decode_num_accepted_tokens"
+    prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    (before,) = llm.collective_rpc(from_answers)
+    counted = spec_counters(llm).get(accepted, 0)
+    (output,) = llm.generate([prompt], params, use_tqdm=False)
+    (after,) = llm.collective_rpc(from_answers)
+    return dict(token_ids=list(output.outputs[0].token_ids),
+                accepted=spec_counters(llm)[accepted] - counted,
+                drafted_from_answers=after[0] - before[0],
+                accepted_from_answers=after[1] - before[1])
+
+
+def test_earlier_answers_are_kept_apart_by_cache_salt(smollm2_dir, prompts):
+    """The answer cache is scoped like vLLM's prefix cache: a request drafts
+    only from earlier answers whose request carried the same ``cache_salt``,
+    and requests without a salt share the unsalted pool. Tenant B's answer
+    never reaches tenant A's drafts (A's acceptance cannot reveal B's
+    text); A's own earlier answer does, as the unsalted one does for
+    unsalted requests."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    llm = make_llm(smollm2_dir, {"method": "esp"}, max_num_seqs=2)
+    try:
+        b = _ask(llm, prompts[0], params, "tenant-b")
+        a = _ask(llm, prompts[0], params, "tenant-a")
+        a_again = _ask(llm, prompts[0], params, "tenant-a")
+        unsalted = _ask(llm, prompts[0], params)
+        unsalted_again = _ask(llm, prompts[0], params)
+    finally:
+        shutdown(llm)
+    runs = [b, a, a_again, unsalted, unsalted_again]
+    assert all(run["token_ids"] == b["token_ids"] for run in runs)
+    counts = {name: {k: v for k, v in run.items() if k != "token_ids"} for name, run in zip(
+        ("b", "a", "a again", "unsalted", "unsalted again"), runs)}
+    # B's answer to the same question is in the cache, but not in A's pool
+    # (nor in the unsalted one): nothing drafted from it, and A accepts no
+    # more than B did with an empty cache. (Without the scoping A drafted
+    # and accepted 60 tokens from B's answer.)
+    assert b["drafted_from_answers"] == 0, counts
+    assert a["drafted_from_answers"] == 0, counts
+    assert unsalted["drafted_from_answers"] == 0, counts
+    assert a["accepted"] < b["accepted"] + 16, counts
+    # The same salt, and no salt, find their own earlier answer (54-59 of
+    # 64 tokens accepted from it).
+    for warm, cold in ((a_again, a), (unsalted_again, unsalted)):
+        assert warm["accepted_from_answers"] >= 16, counts
+        assert warm["accepted"] >= cold["accepted"] + 16, counts

@@ -58,7 +58,7 @@ from vllm_esp.core.goodput import (
     StepCostModel,
     reach_band_labels,
 )
-from vllm_esp.core.hybrid import MASK_VALUE, AnswerCorpus
+from vllm_esp.core.hybrid import MASK_VALUE, AnswerPools
 from vllm_esp.core.mask_embedding import (
     ema_update_packed,
     embedding_table_sums,
@@ -173,6 +173,18 @@ def has_sampling_param(request, name: str) -> bool:
     return params is not None and getattr(params, name, None) is not None
 
 
+# The request's cache_salt, which vLLM keeps in the engine's Request only:
+# the ESP scheduler copies it into the request's sampling params under this
+# key (``ESPScheduler.add_request``), and the proposer reads it there.
+CACHE_SALT_ARG = "vllm_esp.cache_salt"
+
+
+def request_cache_salt(request) -> str | None:
+    """The cache salt the scheduler recorded for ``request`` (None: none)."""
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None)
+    return extra.get(CACHE_SALT_ARG) if extra else None
+
+
 class ESPProposer:
     """vLLM's ``custom_class`` proposer for ESP: per-request state in slots
     and the batched proposal step. The runner (``vllm_esp.runner``) drives
@@ -226,8 +238,10 @@ class ESPProposer:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.max_step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.stats = AutoStats()
-        # Finished requests' answers, for prompt lookup across requests.
-        self.answer_cache = AnswerCorpus(config.lookup_cache_tokens)
+        # Finished requests' answers, for prompt lookup across requests:
+        # one pool per cache salt (a request searches its own salt's only).
+        self.answer_cache = AnswerPools(config.lookup_cache_tokens)
+        self.cache_salts: list[str | None] = [None] * slots
 
     # ------------------------------------------------------------ engine glue
     def load_model(self, model) -> None:
@@ -275,6 +289,7 @@ class ESPProposer:
                 request = self.runner.requests[req_id]
                 self.structured[slot] = has_sampling_param(request, "structured_outputs")
                 self.seeded[slot] = has_sampling_param(request, "seed")
+                self.cache_salts[slot] = request_cache_salt(request)
                 self.no_block[slot] = self.structured[slot]
                 # A prompt given as embeddings has no token ids to look up.
                 self.history_starts[slot] = (
@@ -298,6 +313,7 @@ class ESPProposer:
         for name in ("parents", "tokens", "masked", "num_nodes", "reach", "sources"):
             getattr(self.pending, name)[:old] = getattr(pending, name)
         self.pending_drafts += [None] * old
+        self.cache_salts += [None] * old
         embeddings = self.mask_embeddings
         self.mask_embeddings = embeddings.new_zeros((new, embeddings.shape[1]))
         self.mask_embeddings[:old] = embeddings
@@ -320,11 +336,13 @@ class ESPProposer:
         return counts
 
     def drop(self, req_ids) -> None:
-        """Forget finished requests (their answers join the lookup cache)."""
+        """Forget finished requests (their answers join the lookup cache,
+        in their cache salt's pool)."""
         requests = self.runner.requests if self.runner is not None else {}
         for req_id in req_ids:
             if req_id in requests:
-                self.answer_cache.add(requests[req_id].output_token_ids)
+                request = requests[req_id]
+                self.answer_cache.add(request_cache_salt(request), request.output_token_ids)
             slot = self.slot_of.pop(req_id, None)
             if slot is not None:
                 self.free_slots.append(slot)
@@ -391,7 +409,8 @@ class ESPProposer:
             indices, self.history_starts[active_slots], ends,
             self.cand_tokens[active_slots], self.cand_log_probs[active_slots],
             self.has_candidates[active_slots], num_requests=len(req_ids),
-            corpus_rows=~self.seeded[active_slots])
+            corpus_rows=~self.seeded[active_slots],
+            salts=[self.cache_salts[slot] for slot in active_slots])
         pending = self.pending
         width = trees.parents.shape[1]
         pending.parents[active_slots, :width] = trees.parents
@@ -418,11 +437,16 @@ class ESPProposer:
     def _propose_trees(self, rows: np.ndarray, history_starts: np.ndarray,
                        ends: np.ndarray, cand_tokens: np.ndarray,
                        cand_log_probs: np.ndarray, has_candidates: np.ndarray,
-                       num_requests: int, corpus_rows: np.ndarray | None = None
-                       ) -> TreeBatch:
+                       num_requests: int, corpus_rows: np.ndarray | None = None,
+                       salts: list[str | None] | None = None) -> TreeBatch:
         """Trees for the input batch's ``rows`` (histories end at ``ends``);
-        lookup searches earlier answers too where ``corpus_rows``."""
+        lookup searches earlier answers too where ``corpus_rows``: those of
+        requests with the same cache salt (``salts``; None: unsalted)."""
         token_ids = self.runner.input_batch.token_ids_cpu
+        corpus, starts, ends_in_corpus = self.answer_cache.corpus(
+            [None] * rows.shape[0] if salts is None else salts)
+        if corpus_rows is not None:
+            ends_in_corpus = np.where(corpus_rows, ends_in_corpus, starts)
         # Near max_model_len a request's block shrinks to what still fits
         # (the scheduler would cut it), instead of speculation stopping for
         # the whole batch.
@@ -432,7 +456,7 @@ class ESPProposer:
             cand_tokens, cand_log_probs, has_candidates,
             self.runner.model_config.get_vocab_size(),
             row_caps=self.max_model_len - ends, budget=self._step_budget(num_requests),
-            corpus=self.answer_cache.tokens, corpus_rows=corpus_rows)
+            corpus=corpus, corpus_spans=(starts, ends_in_corpus))
 
     def _step_budget(self, num_requests: int) -> StepBudget | None:
         if not self.auto or self.cost_model is None:

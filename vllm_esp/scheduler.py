@@ -23,6 +23,11 @@ rejected rows still hold.
 The runner tells the scheduler how many of each request's drafts are tree
 nodes (``ESPDraftTokenIds``). A block the scheduler then truncates (token
 budget, ``max_model_len``) is verified as a plain chain and reported as one.
+
+Each new request's ``cache_salt``, which vLLM keeps in the engine's request
+only, is copied into its sampling params' ``extra_args``
+(``CACHE_SALT_ARG``), where the worker's proposer reads it: prompt lookup
+then searches only earlier answers with the same salt (``add_request``).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from dataclasses import dataclass
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
 
-from vllm_esp.proposer import ESPDraftTokenIds
+from vllm_esp.proposer import CACHE_SALT_ARG, ESPDraftTokenIds
 
 
 @dataclass
@@ -51,6 +56,24 @@ class ESPRequestSpecDecodeMetrics(RequestSpecDecodeMetrics):
         super().observe(num_draft_tokens, num_accepted, detailed)
 
 
+def record_cache_salt(request, salt: str | None) -> None:
+    """Put ``salt`` into the request's sampling params (``extra_args``,
+    ``CACHE_SALT_ARG``), where the worker's proposer reads it. A client's own
+    entry under that key is removed, so no request can name another's answer
+    pool; the dict is replaced, not changed (a shallow-cloned
+    ``SamplingParams`` shares its caller's)."""
+    params = request.sampling_params
+    if params is None:
+        return
+    extra = params.extra_args or {}
+    if salt is None and CACHE_SALT_ARG not in extra:
+        return
+    extra = {key: value for key, value in extra.items() if key != CACHE_SALT_ARG}
+    if salt is not None:
+        extra[CACHE_SALT_ARG] = salt
+    params.extra_args = extra or None
+
+
 class ESPScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -61,6 +84,13 @@ class ESPScheduler(Scheduler):
         self._esp_step_counts: dict[str, tuple[int, int]] = {}
         # Blocks dropped for lack of KV blocks (see _fit_drafts_to_free_kv).
         self.esp_dropped_blocks = 0
+
+    def add_request(self, request) -> None:
+        # A session's later chunks keep the salt the session started with,
+        # as vLLM's prefix cache does.
+        session = self.requests.get(request.request_id)
+        record_cache_salt(request, (session or request).cache_salt)
+        super().add_request(request)
 
     def schedule(self, *args, **kwargs):
         self._fit_drafts_to_free_kv()

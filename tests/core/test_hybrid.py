@@ -20,6 +20,7 @@ from vllm_esp.core.hybrid import (
     LOOKUP_MAX_PEERS,
     LOOKUP_MIN_SHARE,
     AnswerCorpus,
+    AnswerPools,
     allocate_block,
     find_ngram_matches,
     hybrid_next_tree,
@@ -364,6 +365,66 @@ def test_chains_from_earlier_answers_carry_their_own_source_tag():
     assert propose(None).num_nodes.tolist() == [0, 3]
     # Requests left out of the cache (seeded ones) see only their own history.
     assert propose(corpus.tokens, np.array([False, True])).num_nodes.tolist() == [0, 3]
+
+
+def test_answer_pools_keep_each_cache_salt_apart_with_its_own_budget():
+    pools = AnswerPools(8)
+    pools.add("a", [5, 6])
+    pools.add(None, [7])
+    # The docstring's example: one array, each pool once, a span per request.
+    tokens, starts, ends = pools.corpus(["a", None, "b", "a"])
+    assert tokens.tolist() == [5, 6, -1, 7, -1]
+    assert starts.tolist() == [0, 3, 0, 0] and ends.tolist() == [3, 5, 0, 3]
+    assert pools.tokens("a").tolist() == [5, 6, -1]
+    assert pools.tokens(None).tolist() == [7, -1]
+    assert pools.tokens("b").size == 0
+    # Another tenant's volume does not evict this one's answers: each pool
+    # has the whole budget.
+    for _ in range(10):
+        pools.add("b", [1, 2, 3])
+    assert pools.tokens("a").tolist() == [5, 6, -1]
+    assert pools.tokens("b").tolist() == [1, 2, 3, -1, 1, 2, 3, -1]
+    off = AnswerPools(0)
+    off.add("a", [1, 2])
+    assert len(off) == 0 and off.tokens("a").size == 0
+
+
+def test_answer_pools_drop_the_least_recently_seen_and_idle_salts():
+    now = [0.0]
+    pools = AnswerPools(16, max_pools=2, max_idle=100.0, clock=lambda: now[0])
+    pools.add("a", [1])
+    pools.add("b", [2])
+    now[0] = 10.0
+    pools.corpus(["a"])  # a request of "a" proposed for: "a" was seen
+    pools.add("c", [3])  # a third pool: "b", seen least recently, goes
+    assert "a" in pools and "c" in pools and "b" not in pools
+    now[0] = 105.0  # "a" seen at 10, "c" at 10: both idle 95 s
+    pools.corpus(["c"])
+    now[0] = 111.0  # "a" idle 101 s: dropped at the next call
+    pools.corpus([None])
+    assert "a" not in pools and "c" in pools
+    assert pools.tokens("c").tolist() == [3, -1]
+
+
+def test_each_request_drafts_only_from_its_own_salts_answers():
+    config = ESPConfig.from_dict({"block_complexity": 6, "candidates": ["ngram"]})
+    proposer = TreeProposer(config)
+    pools = AnswerPools(64)
+    pools.add("a", [1, 2, 3, 4, 5, 6, 7])
+    pools.add("b", [3, 4, 5, 0, 0])
+    # The same history for three requests of salts "a", "b" and "c":
+    # "3 4 5" occurs only in earlier answers.
+    histories = np.tile(np.array([8, 3, 4, 5]), (3, 1))
+    cand = np.zeros((3, 1, proposer.candidate_width))
+    corpus, starts, ends = pools.corpus(["a", "b", "c"])
+    trees = proposer.propose(histories, np.arange(3), np.zeros(3, np.int64),
+                             np.full(3, 4), histories[:, -1].copy(), cand.astype(np.int64),
+                             cand.astype(np.float32), np.zeros(3, np.bool_), 16,
+                             corpus=corpus, corpus_spans=(starts, ends))
+    assert trees.tokens[0, :3].tolist() == [5, 6, 7]  # from "a"'s answer
+    assert trees.tokens[1, :3].tolist() == [5, 0, 0]  # from "b"'s answer
+    assert trees.num_nodes[2] == 0  # "c" has no answers: nothing to draft
+    assert trees.sources[:2, 1:3].tolist() == [[SOURCE_CORPUS] * 2] * 2
 
 
 @pytest.mark.parametrize("seed", range(20))

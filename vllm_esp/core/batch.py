@@ -323,16 +323,16 @@ def hybrid_tree(params: HybridParams, history: np.ndarray, root_token: int,
 # ------------------------------------------------------------------- batch
 @njit(cache=True)
 def propose_batch_kernel(mode, histories, history_rows, history_starts, history_ends,
-                         corpus, corpus_rows, roots, has_candidates, cand_tokens, cand_log_probs, vocab_size,
-                         widths, node_budget, block_sizes, num_mask_tokens, use_esp,
+                         corpus, corpus_starts, corpus_ends, roots, has_candidates, cand_tokens,
+                         cand_log_probs, vocab_size, widths, node_budget, block_sizes, num_mask_tokens, use_esp,
                          use_lookup, esp_log_weight, log_scales, lookup_accept,
                          mask_value, max_chains, capacity, root_alone,
                          placeholder_parents, out_parents, out_tokens, out_masked,
                          out_num_nodes, out_gains, out_num_gains, out_reach, out_sources):
     """Next trees of ``roots.shape[0]`` requests; request ``i``'s history
     is ``histories[history_rows[i], history_starts[i]:history_ends[i]]``
-    (prompt lookup also searches ``corpus``, earlier requests' answers,
-    where ``corpus_rows[i]``)
+    (prompt lookup also searches earlier requests' answers,
+    ``corpus[corpus_starts[i]:corpus_ends[i]]``)
     and its block has at most ``block_sizes[i]`` rows (hybrid mode; the
     other modes have a fixed shape and give no block where it does not
     fit)."""
@@ -352,9 +352,9 @@ def propose_batch_kernel(mode, histories, history_rows, history_starts, history_
         out_num_gains[i] = 0
         if mode == HYBRID:
             history = histories[history_rows[i], history_starts[i]:history_ends[i]]
-            corpus_size = corpus.shape[0] if use_lookup and corpus_rows[i] else 0
+            corpus_size = corpus_ends[i] - corpus_starts[i] if use_lookup else 0
             if corpus_size > 0:
-                history = np.concatenate((corpus, history))
+                history = np.concatenate((corpus[corpus_starts[i]:corpus_ends[i]], history))
             # Where ESP's placeholder does not fit (near max_model_len), the
             # root alone, with its masks if they fit, so that the next step
             # has candidates.
@@ -466,12 +466,14 @@ class TreeProposer:
                 out: TreeBatch | None = None, row_caps: np.ndarray | None = None,
                 budget: StepBudget | None = None,
                 corpus: np.ndarray | None = None,
-                corpus_rows: np.ndarray | None = None) -> TreeBatch:
+                corpus_rows: np.ndarray | None = None,
+                corpus_spans: tuple[np.ndarray, np.ndarray] | None = None) -> TreeBatch:
         """``row_caps``: at most this many rows per request (``max_model_len``);
         ``budget``: the step's cost and calibration (``auto`` only);
         ``corpus``: earlier requests' answers for prompt lookup
         (``AnswerCorpus.tokens``), for the requests where ``corpus_rows``
-        (all when None)."""
+        (all when None); ``corpus_spans``, instead: ``(starts, ends)``, request
+        ``i`` searches ``corpus[starts[i]:ends[i]]`` (``AnswerPools.corpus``)."""
         batch = roots.shape[0]
         if out is None:
             out = TreeBatch.empty(batch, self.max_nodes, self.num_mask_tokens)
@@ -484,10 +486,15 @@ class TreeProposer:
         if budget is not None and budget.scales is not None:
             log_scales = np.log(np.maximum(np.asarray(budget.scales, np.float64), 1e-6))
         corpus = np.asarray(corpus if corpus is not None else (), histories.dtype)
-        if corpus_rows is None:
-            corpus_rows = np.ones(batch, np.bool_)
+        if corpus_spans is not None:
+            corpus_starts, corpus_ends = (np.asarray(a, np.int64) for a in corpus_spans)
+        else:
+            corpus_starts = np.zeros(batch, np.int64)
+            corpus_ends = np.full(batch, corpus.shape[0], np.int64)
+            if corpus_rows is not None:
+                corpus_ends[~np.asarray(corpus_rows, np.bool_)] = 0
         args = (histories, history_rows, history_starts, history_ends, corpus,
-                np.asarray(corpus_rows, np.bool_), roots,
+                corpus_starts, corpus_ends, roots,
                 has_candidates, cand_tokens, cand_log_probs, vocab_size, log_scales, out)
         mask_value = self.hybrid.mask_value
         if budget is not None and budget.mask_value is not None:
@@ -500,15 +507,15 @@ class TreeProposer:
         return out
 
     def _run(self, block_sizes, mask_value, histories, history_rows, history_starts, history_ends,
-             corpus, corpus_rows, roots, has_candidates, cand_tokens, cand_log_probs, vocab_size, log_scales,
-             out):
+             corpus, corpus_starts, corpus_ends, roots, has_candidates, cand_tokens, cand_log_probs,
+             vocab_size, log_scales, out):
         hybrid = self.hybrid
         batch = roots.shape[0]
         gains = np.zeros((batch, max(hybrid.block_size - 1, 1)), np.float64)
         num_gains = np.zeros(batch, np.int64)
         propose_batch_kernel(
             self.mode, histories, history_rows, history_starts, history_ends, corpus,
-            corpus_rows, roots,
+            corpus_starts, corpus_ends, roots,
             has_candidates, cand_tokens, cand_log_probs, vocab_size, self.widths,
             self.node_budget, block_sizes, hybrid.num_mask_tokens,
             hybrid.use_esp, hybrid.use_lookup,

@@ -69,7 +69,8 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -84,6 +85,7 @@ from vllm_esp.core.proposal import (
 
 __all__ = [
     "AnswerCorpus",
+    "AnswerPools",
     "LOOKUP_MAX_CONTEXT",
     "LOOKUP_MAX_NGRAM",
     "LOOKUP_MIN_NGRAM",
@@ -484,6 +486,115 @@ class AnswerCorpus:
         while self._size > self.max_tokens:
             self._size -= self._answers.popleft().size
         self.tokens = np.concatenate(self._answers)
+
+
+# Answer pools kept at most (one per cache salt, the unsalted one included)
+# and how long a salt may go unseen before its pool is dropped. With the
+# default lookup_cache_tokens (8192) 64 full pools hold 512 Ki tokens, about
+# 8 MiB as int64 (an AnswerCorpus keeps its answers and their concatenation).
+MAX_ANSWER_POOLS = 64
+ANSWER_POOL_IDLE_SECONDS = 3600.0
+
+
+class AnswerPools:
+    """Answer corpora kept apart by tenant, as vLLM keeps its prefix cache
+    apart by ``cache_salt``: a request's lookup searches only the answers of
+    earlier requests that carried the same salt, and requests without one
+    share the unsalted pool (key ``None``). One tenant's drafts, and so how
+    fast its requests are accepted, then never depend on another tenant's
+    text.
+
+    Each pool is an ``AnswerCorpus`` of up to ``max_tokens`` tokens, so a
+    tenant's cache does not shrink when others ask more. At most
+    ``max_pools`` pools are kept: a new salt evicts the pool seen least
+    recently, and a pool whose salt was not seen (a request of it proposed
+    for, or finished) for ``max_idle`` seconds is dropped.
+
+    Example, ``max_tokens=8``: ``add("a", [5, 6])``, ``add(None, [7])``;
+    ``corpus(["a", None, "b", "a"])`` gives the tokens
+    ``[5, 6, -1, 7, -1]`` and the spans ``[0, 3, 0, 0]`` to ``[3, 5, 0, 3]``
+    (salt ``"b"`` has no pool yet: an empty span).
+    """
+
+    def __init__(self, max_tokens: int, max_pools: int = MAX_ANSWER_POOLS,
+                 max_idle: float = ANSWER_POOL_IDLE_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_tokens = max(int(max_tokens), 0)
+        self.max_pools = max(int(max_pools), 1)
+        self.max_idle = float(max_idle)
+        self._clock = clock
+        # salt -> (pool, last seen), least recently seen first.
+        self._pools: collections.OrderedDict[Hashable, list] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._pools)
+
+    def __contains__(self, salt: Hashable) -> bool:
+        return salt in self._pools
+
+    def add(self, salt: Hashable, token_ids: Sequence[int]) -> None:
+        """A finished request's answer joins its salt's pool."""
+        if self.max_tokens < 2 or len(token_ids) == 0:
+            return
+        now = self._clock()
+        entry = self._pools.get(salt)
+        if entry is None:
+            entry = self._pools[salt] = [AnswerCorpus(self.max_tokens), now]
+        self._touch(salt, entry, now)
+        entry[0].add(token_ids)
+        self._evict(now)
+
+    def tokens(self, salt: Hashable) -> np.ndarray:
+        """The pool of ``salt`` (``AnswerCorpus.tokens``; empty if none)."""
+        tokens, _, _ = self.corpus([salt])
+        return tokens
+
+    def corpus(self, salts: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The pools of one step's requests (``salts[i]``: request ``i``'s
+        salt) in one array, and where request ``i``'s pool lies in it:
+        ``tokens[starts[i]:ends[i]]``, empty where its salt has no pool.
+        Each pool appears once, however many requests share it."""
+        count = len(salts)
+        starts = np.zeros(count, np.int64)
+        ends = np.zeros(count, np.int64)
+        if not self._pools:
+            return np.zeros(0, np.int64), starts, ends
+        now = self._clock()
+        spans: dict[Hashable, tuple[int, int]] = {}
+        parts: list[np.ndarray] = []
+        size = 0
+        for i, salt in enumerate(salts):
+            span = spans.get(salt)
+            if span is None:
+                entry = self._pools.get(salt)
+                span = (0, 0)
+                if entry is not None:
+                    self._touch(salt, entry, now)
+                    pool = entry[0].tokens
+                    span = (size, size + pool.shape[0])
+                    parts.append(pool)
+                    size += pool.shape[0]
+                spans[salt] = span
+            starts[i], ends[i] = span
+        self._evict(now)
+        if len(parts) == 1:
+            return parts[0], starts, ends
+        tokens = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return tokens, starts, ends
+
+    def _touch(self, salt: Hashable, entry: list, now: float) -> None:
+        entry[1] = now
+        self._pools.move_to_end(salt)
+
+    def _evict(self, now: float) -> None:
+        pools = self._pools
+        while len(pools) > self.max_pools:
+            pools.popitem(last=False)
+        while pools:
+            salt, (_, seen) = next(iter(pools.items()))
+            if now - seen <= self.max_idle:
+                break
+            del pools[salt]
 
 
 # ------------------------------------------------------------- one request
