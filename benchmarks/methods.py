@@ -98,6 +98,12 @@ _ALL = [
     Method("esp", {"method": "esp"},
            "the plugin's default: {\"method\": \"esp\"} (auto block "
            "complexity, ESP + prompt-lookup candidates)", cross_request_state=True),
+    Method("esp-chain", {"method": "esp", "sampling_verification": "chain"},
+           "the plugin's default with sampled requests verified as one chain "
+           "(each tree cut to its highest-logit path, checked by vLLM's rejection "
+           "sampler) instead of walking the tree: the A/B switch for tokens per "
+           "step under sampling; greedy requests decode exactly as `esp`",
+           cross_request_state=True),
     Method("esp-4", _esp(tree=[4]), "ESP alone, static tree [4] (k=1, block 10; the paper's method at the CPU default size)"),
     Method("esp-9", _esp(tree=[9]), "ESP static tree [9] (k=1, block 20)"),
     Method("esp-29", _esp(tree=[29]), "ESP static tree [29] (k=1, block 60; the GPU default)"),

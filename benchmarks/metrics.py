@@ -37,6 +37,12 @@ the finished greedy output (``replay_chain_drafts``), which gives the accepted
 tokens that were actually emitted; the replay must reproduce vLLM's
 ``spec_steps`` and never exceed its accepted count, or the run fails. vLLM's
 own count stays in ``accepted_tokens_reported`` (and in the counters).
+The replay assumes greedy acceptance (a draft is accepted when it equals the
+output's next token). Under sampling a draft that equals the next token may
+have been rejected and the token then drawn anew, so sampled passes
+(temperature > 0) are not replayed: their tau keeps vLLM's count, and their
+tokens per step and forwards come from the counted steps below, which do not
+depend on how tokens were accepted.
 Methods that draft at every step (ESP, the hybrid) make no plain decode
 steps, so for them ``1 + spec_steps`` is exact and the ``max`` already
 corrects the cut.
@@ -83,7 +89,16 @@ interpolation between order statistics (numpy's default).
 Greedy match: a method's outputs are compared token for token with the
 ``none`` (no speculation) outputs of the same prompts; greedy speculative
 decoding must reproduce them exactly, so any mismatch is a bug (in fp32; in
-bf16, near-ties can flip).
+bf16, near-ties can flip). Sampled passes (temperature > 0) are compared the
+same way, for information only: speculative sampling keeps the distribution
+of the outputs, not the outputs, so they legitimately differ from ``none``'s
+even with the same per-request seeds; their identical fraction is not a
+correctness check.
+
+Sampled passes: every request generates exactly ``max_tokens`` tokens
+(``ignore_eos``), so every method makes the same number of tokens and the
+speeds compare the same work; each request has a fixed seed
+(``request_seed``), the same for every method, level and round.
 """
 
 from __future__ import annotations
@@ -468,6 +483,72 @@ def compare_outputs(reference: Sequence[RequestRecord],
     return result
 
 
+# ------------------------------------------------------------------ decoding
+SEED_STRIDE = 100003
+
+
+def request_seed(run_seed: int, prompt_index: int) -> int:
+    """A sampled request's seed: fixed by the run's ``--seed`` and the
+    prompt, the same for every method, level and round, so that a method
+    whose sampling is reproducible repeats its outputs from run to run.
+
+    >>> request_seed(0, 5), request_seed(1, 5)
+    (5, 100008)
+    """
+    return run_seed * SEED_STRIDE + prompt_index
+
+
+def temperature_label(temperature: float) -> str:
+    """``"T0.7"``: how results name a temperature (``""`` for greedy,
+    whose labels stay as they were before sampled passes existed).
+
+    >>> temperature_label(0.7), temperature_label(1.0), temperature_label(0.0)
+    ('T0.7', 'T1', '')
+    """
+    return f"T{temperature:g}" if temperature else ""
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How the requests of one pass decode. Greedy (temperature 0) sends
+    what the harness always sent: temperature 0, ``max_tokens`` and the
+    run's ``ignore_eos``. A sampled pass (``for_temperature`` with
+    temperature > 0) forces ``ignore_eos``, so that every method makes
+    exactly ``max_tokens`` tokens per request, and gives each request its
+    ``request_seed``."""
+
+    temperature: float = 0.0
+    max_tokens: int = 128
+    ignore_eos: bool = False
+    top_p: float = 1.0
+    seed: int = 0
+
+    @classmethod
+    def for_temperature(cls, temperature: float, max_tokens: int, ignore_eos: bool = False,
+                        top_p: float = 1.0, seed: int = 0) -> Decoding:
+        sampled = temperature > 0
+        return cls(temperature, max_tokens, ignore_eos or sampled,
+                   top_p if sampled else 1.0, seed)
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
+
+    def request_options(self, prompt_index: int | None = None) -> dict[str, Any]:
+        """Keyword arguments of vLLM's ``SamplingParams`` for one request,
+        which are also the fields of the same names of an OpenAI completion
+        request. Sampled requests add ``top_p`` and, given a prompt index
+        (>= 0: the warm-up prompt, -1, goes unseeded), their seed."""
+        options: dict[str, Any] = {"temperature": self.temperature,
+                                   "max_tokens": self.max_tokens,
+                                   "ignore_eos": self.ignore_eos}
+        if self.sampled:
+            options["top_p"] = self.top_p
+            if prompt_index is not None and prompt_index >= 0:
+                options["seed"] = request_seed(self.seed, prompt_index)
+        return options
+
+
 # ------------------------------------------------------------------ containers
 @dataclass
 class Prompt:
@@ -502,10 +583,14 @@ class PassResult:
     # seconds and output tokens in ``round_figures`` instead.
     round: int = 0
     round_figures: list[dict[str, float]] | None = None
+    # The requests' sampling temperature (0: greedy).
+    temperature: float = 0.0
 
     @property
     def key(self) -> str:
-        return f"{self.workload}-{'b' if self.workload == 'offline' else 'c'}{self.level}"
+        """``offline-b8``, ``online-c4``; a sampled pass adds its
+        temperature: ``offline-b8-T0.7``."""
+        return pass_key(self.workload, self.level, self.temperature)
 
     def summary(self) -> dict[str, Any]:
         summary = summarize(self.records, self.seconds, self.counters)
@@ -523,6 +608,16 @@ class PassResult:
                     tokens_per_step=_rounded(
                         sum(r.num_output_tokens - 1 for r in emitting) / decode_steps))
         return summary
+
+
+def pass_key(workload: str, level: int, temperature: float = 0.0) -> str:
+    """The key of a pass in results.json and the tables.
+
+    >>> pass_key("offline", 8), pass_key("online", 4, 0.7)
+    ('offline-b8', 'online-c4-T0.7')
+    """
+    key = f"{workload}-{'b' if workload == 'offline' else 'c'}{level}"
+    return f"{key}-{temperature_label(temperature)}" if temperature else key
 
 
 def row_count_delta(before: Mapping[str, int] | None,

@@ -13,7 +13,10 @@ distinct prompts.
 
 Timing is the ``generate`` call's wall time (vllm_esp_dev.runs).
 Each engine first generates a few tokens for a fixed warm-up prompt that is
-not in the set.
+not in the set (greedily, and for a sampled pass once more with its
+sampling, so that the sampled path's first calls are not timed either).
+``sampling_params`` is one ``SamplingParams`` for every prompt or a list of
+one per prompt (a sampled pass's per-request seeds).
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ def esp_row_counts(llm) -> dict[str, int] | None:
 def run_offline(method: Method, model: str, prompts: list[Prompt],
                 batch_sizes: list[int], sampling_params, warmup_ids: list[int],
                 llm_options: dict[str, Any],
-                progress: Callable[[int], None] | None = None) -> list[PassResult]:
+                progress: Callable[[int], None] | None = None,
+                temperature: float = 0.0, warmup_params=None) -> list[PassResult]:
     from vllm_esp_dev.runs import generate, make_llm, shutdown, warm_up
 
     kwargs = engine_kwargs(method, llm_options)
@@ -56,6 +60,8 @@ def run_offline(method: Method, model: str, prompts: list[Prompt],
         llm = make_llm(model, method.speculative_config,
                        max_num_seqs=max_num_seqs, **kwargs)
         warm_up(llm, warmup_ids)
+        if warmup_params is not None:
+            generate(llm, [warmup_ids], warmup_params)
         return llm
 
     results: list[PassResult] = []
@@ -83,7 +89,8 @@ def run_offline(method: Method, model: str, prompts: list[Prompt],
                                       records, dict(run.counters), notes,
                                       startup_seconds=startup,
                                       row_counts=row_count_delta(rows_before,
-                                                                 esp_row_counts(llm))))
+                                                                 esp_row_counts(llm)),
+                                      temperature=temperature))
         finally:
             shutdown(llm)
     return results

@@ -6,7 +6,9 @@ a subprocess in its own process group, stopped with SIGTERM then SIGKILL);
 ``benchmarks.spec_bench`` calls once per method and level. For each
 concurrency level ``c`` the client sends every prompt once, at most
 ``c`` requests in flight, to ``/v1/completions`` with the prompt as token ids
-(so online prompts equal offline prompts), greedy, streaming, with
+(so online prompts equal offline prompts), greedy or sampled as the pass's
+``Decoding`` says (a sampled request sends ``top_p`` and its fixed
+``seed``, OpenAI fields vLLM serves), streaming, with
 ``return_token_ids`` and ``stream_options.include_usage`` so that the final
 chunk carries the per-request ``metrics.speculative_decoding`` (the server
 runs with ``--per-request-spec-decode-metrics summary``).
@@ -34,17 +36,20 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from benchmarks.methods import Method
 from benchmarks.metrics import (
+    Decoding,
     PassResult,
     Prompt,
     RequestRecord,
     counter_delta,
     parse_prometheus_counters,
     row_count_delta,
+    temperature_label,
 )
 
 SERVED_NAME = "bench"
@@ -213,15 +218,17 @@ def scrape_rows(server: Server) -> dict[str, int] | None:
 
 
 # ---------------------------------------------------------------- load client
-def completion_payload(prompt_ids: list[int], max_tokens: int, ignore_eos: bool) -> dict:
-    return {"model": SERVED_NAME, "prompt": prompt_ids, "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+def completion_payload(prompt_ids: list[int], options: dict[str, Any]) -> dict:
+    """A streaming ``/v1/completions`` request; ``options``:
+    ``Decoding.request_options`` (temperature, max_tokens, ignore_eos, and
+    for a sampled request top_p and seed)."""
+    return {"model": SERVED_NAME, "prompt": prompt_ids, **options, "stream": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True}}
 
 
-async def _one_request(session, url: str, prompt: Prompt, max_tokens: int,
-                       ignore_eos: bool) -> RequestRecord:
-    payload = completion_payload(prompt.token_ids, max_tokens, ignore_eos)
+async def _one_request(session, url: str, prompt: Prompt,
+                       decoding: Decoding) -> RequestRecord:
+    payload = completion_payload(prompt.token_ids, decoding.request_options(prompt.index))
     token_ids: list[int] = []
     spec: dict | None = None
     ttft = None
@@ -264,7 +271,7 @@ async def _one_request(session, url: str, prompt: Prompt, max_tokens: int,
 
 
 async def run_load(base_url: str, prompts: list[Prompt], concurrency: int,
-                   max_tokens: int, ignore_eos: bool,
+                   decoding: Decoding,
                    progress: Callable[[int], None] | None = None
                    ) -> tuple[list[RequestRecord], float]:
     """Every prompt once, at most ``concurrency`` in flight, in prompt order.
@@ -279,7 +286,7 @@ async def run_load(base_url: str, prompts: list[Prompt], concurrency: int,
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         async def bounded(prompt: Prompt) -> RequestRecord:
             async with semaphore:
-                record = await _one_request(session, url, prompt, max_tokens, ignore_eos)
+                record = await _one_request(session, url, prompt, decoding)
             if progress:
                 progress(1)
             return record
@@ -309,7 +316,7 @@ def start_server(model: str, method: Method, options: dict[str, Any],
 
 
 def run_online(method: Method, model: str, prompts: list[Prompt],
-               concurrencies: list[int], max_tokens: int, ignore_eos: bool,
+               concurrencies: list[int], decoding: Decoding,
                warmup_ids: list[int], options: dict[str, Any], log_dir: Path,
                progress: Callable[[int], None] | None = None) -> list[PassResult]:
     results: list[PassResult] = []
@@ -317,19 +324,23 @@ def run_online(method: Method, model: str, prompts: list[Prompt],
               else [list(concurrencies)])
     for group in groups:
         suffix = f"-c{group[0]}" if len(group) == 1 else ""
+        if decoding.sampled:
+            suffix += f"-{temperature_label(decoding.temperature)}"
         log_path = log_dir / f"serve-{method.name}{suffix}.log"
         started = time.monotonic()
         server = start_server(model, method, options, max(group), log_path)
         with server:
-            asyncio.run(run_load(server.base_url, [Prompt(-1, "warmup", None, warmup_ids)],
-                                 1, 8, False))
+            warmup = [Prompt(-1, "warmup", None, warmup_ids)]
+            asyncio.run(run_load(server.base_url, warmup, 1, Decoding(max_tokens=8)))
+            if decoding.sampled:  # the sampled path's first calls too
+                asyncio.run(run_load(server.base_url, warmup, 1,
+                                     replace(decoding, max_tokens=8)))
             startup: float | None = time.monotonic() - started
             for concurrency in group:
                 before = scrape_counters(server.base_url)
                 rows_before = scrape_rows(server)
                 records, seconds = asyncio.run(run_load(
-                    server.base_url, prompts, concurrency, max_tokens, ignore_eos,
-                    progress))
+                    server.base_url, prompts, concurrency, decoding, progress))
                 after = scrape_counters(server.base_url)
                 rows_after = scrape_rows(server)
                 notes = []
@@ -340,6 +351,7 @@ def run_online(method: Method, model: str, prompts: list[Prompt],
                                           records, counter_delta(before, after), notes,
                                           startup_seconds=startup,
                                           row_counts=row_count_delta(rows_before,
-                                                                     rows_after)))
+                                                                     rows_after),
+                                          temperature=decoding.temperature))
                 startup = None  # only the first pass on a server pays for it
     return results

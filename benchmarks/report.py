@@ -3,6 +3,13 @@
 
 Everything but ``write_plots`` is pure (dicts and strings), so the tests can
 check it without vLLM or matplotlib.
+
+A run may hold passes at several temperatures (``--temperature``): every
+table is then given once per temperature, greedy first as it always was.
+The output check against ``none`` is a correctness check for greedy passes
+only; sampled passes report their fraction of identical outputs for
+information. results.json files written before passes had a temperature
+read as greedy.
 """
 
 from __future__ import annotations
@@ -13,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.methods import BASELINE
-from benchmarks.metrics import MatchResult, PassResult, compare_outputs
+from benchmarks.metrics import (
+    SEED_STRIDE,
+    MatchResult,
+    PassResult,
+    compare_outputs,
+    pass_key,
+    temperature_label,
+)
 
 LOUD = "!" * 78
 
@@ -21,21 +35,25 @@ LOUD = "!" * 78
 # ---------------------------------------------------------------- match check
 def check_matches(passes: Sequence[PassResult]) -> dict[tuple[str, str], MatchResult]:
     """Compare every non-baseline pass with the baseline pass of the same
-    workload, level and round (falling back to the baseline's other rounds
-    at that level, then to its first pass). Keys: (method, pass key); the
-    rounds of one method and level add up into one result."""
+    workload, level, temperature and round (falling back to the baseline's
+    other rounds at that level, then to its first pass at that
+    temperature). Keys: (method, pass key); the rounds of one method and
+    level add up into one result. For sampled passes the result is for
+    information only (``failed_checks``)."""
     same_round: dict[tuple[str, int], PassResult] = {}
     any_round: dict[str, PassResult] = {}
+    first: dict[float, PassResult] = {}
     for p in passes:
         if p.method == BASELINE:
             same_round.setdefault((p.key, p.round), p)
             any_round.setdefault(p.key, p)
-    first = next(iter(any_round.values()), None)
+            first.setdefault(p.temperature, p)
     results: dict[tuple[str, str], MatchResult] = {}
     for p in passes:
         if p.method == BASELINE:
             continue
-        reference = same_round.get((p.key, p.round), any_round.get(p.key, first))
+        reference = same_round.get((p.key, p.round),
+                                   any_round.get(p.key, first.get(p.temperature)))
         if reference is None:
             continue
         match = compare_outputs(reference.records, p.records)
@@ -44,6 +62,22 @@ def check_matches(passes: Sequence[PassResult]) -> dict[tuple[str, str], MatchRe
             match = earlier + match
         results[(p.method, p.key)] = match
     return results
+
+
+def failed_checks(passes: Sequence[PassResult]) -> list[tuple[str, str, MatchResult]]:
+    """(method, pass key, match) of every greedy pass whose outputs differ
+    from ``none``'s: the failures of the output check. Sampled passes never
+    fail it (their outputs legitimately differ; ``sampled_matches``)."""
+    greedy = {p.key for p in passes if not p.temperature}
+    return [(method, key, match) for (method, key), match in check_matches(passes).items()
+            if key in greedy and not match.ok]
+
+
+def sampled_matches(passes: Sequence[PassResult]) -> dict[tuple[str, str], MatchResult]:
+    """The sampled passes' comparisons with ``none``: how many outputs
+    came out identical, for information, not a correctness check."""
+    sampled = {p.key for p in passes if p.temperature}
+    return {k: m for k, m in check_matches(passes).items() if k[1] in sampled}
 
 
 def pool_rounds(passes: Sequence[PassResult]) -> list[PassResult]:
@@ -81,19 +115,28 @@ def pool_rounds(passes: Sequence[PassResult]) -> list[PassResult]:
             row_counts=row_counts,
             round_figures=[{"round": p.round, "seconds": round(p.seconds, 3),
                             "output_tokens": sum(r.num_output_tokens for r in p.records)}
-                           for p in group]))
+                           for p in group],
+            temperature=first.temperature))
     return pooled
 
 
 def baseline_consistency(passes: Sequence[PassResult]) -> dict[str, MatchResult]:
-    """The baseline's own passes against its first pass: differences here come
-    from batching numerics, not from speculation, and explain (without
-    excusing) mismatches seen at the same level."""
-    own = [p for p in passes if p.method == BASELINE]
-    if len(own) < 2:
-        return {}
-    return {p.key if p.round == 0 else f"{p.key} round {p.round + 1}":
-            compare_outputs(own[0].records, p.records) for p in own[1:]}
+    """The baseline's own passes against its first pass at the same
+    temperature: differences here come from batching numerics, not from
+    speculation, and explain (without excusing) mismatches seen at the same
+    level. (Sampled requests carry fixed seeds, so plain vLLM repeats them
+    up to the same numerics.)"""
+    first: dict[float, PassResult] = {}
+    out: dict[str, MatchResult] = {}
+    for p in passes:
+        if p.method != BASELINE:
+            continue
+        if p.temperature not in first:
+            first[p.temperature] = p
+            continue
+        key = p.key if p.round == 0 else f"{p.key} round {p.round + 1}"
+        out[key] = compare_outputs(first[p.temperature].records, p.records)
+    return out
 
 
 def mismatch_banner(method: str, key: str, match: MatchResult) -> str:
@@ -121,10 +164,13 @@ def build_results(meta: dict, config: dict, prompts: list[dict], methods: dict,
         match = matches.get((p.method, p.key))
         out_passes.append({
             "method": p.method, "workload": p.workload, "level": p.level,
+            "temperature": p.temperature,
             "key": p.key, "notes": p.notes, "rounds": p.round_figures,
             "startup_seconds": None if p.startup_seconds is None else round(p.startup_seconds, 1),
             "summary": p.summary(),
             "match_vs_baseline": match.to_json() if match else None,
+            # False: a sampled pass, whose comparison is for information.
+            "match_is_check": not p.temperature,
             "records": [r.to_json(include_tokens) for r in p.records],
         })
     return {
@@ -147,27 +193,43 @@ def _fmt(value: Any, digits: int = 2, suffix: str = "") -> str:
     return f"{value}{suffix}"
 
 
-def _passes_by(results: dict) -> dict[str, dict[str, dict]]:
+def _temperature(p: dict) -> float:
+    """A results.json pass's temperature (0.0 in files from before sampled
+    passes existed)."""
+    return p.get("temperature") or 0.0
+
+
+def temperatures(results: dict) -> list[float]:
+    """The run's temperatures in the order its passes ran them."""
+    return list(dict.fromkeys(_temperature(p) for p in results["passes"])) or [0.0]
+
+
+def _passes_by(results: dict, temperature: float | None = None) -> dict[str, dict[str, dict]]:
+    """method -> pass key -> pass, at one temperature (every pass: None)."""
     table: dict[str, dict[str, dict]] = {}
     for p in results["passes"]:
-        table.setdefault(p["method"], {})[p["key"]] = p
+        if temperature is None or _temperature(p) == temperature:
+            table.setdefault(p["method"], {})[p["key"]] = p
     return table
 
 
-def _levels(results: dict, workload: str) -> list[int]:
-    return sorted({p["level"] for p in results["passes"] if p["workload"] == workload})
+def _levels(results: dict, workload: str, temperature: float | None = None) -> list[int]:
+    return sorted({p["level"] for p in results["passes"] if p["workload"] == workload
+                   and (temperature is None or _temperature(p) == temperature)})
 
 
-def _reference_pass(passes: dict[str, dict]) -> dict | None:
+def _reference_pass(passes: dict[str, dict], temperature: float = 0.0) -> dict | None:
     """The pass whose tau / per-category figures represent a method: offline
     batch 1 if present, else the first one."""
-    for key in ("offline-b1", "online-c1"):
+    for key in (pass_key("offline", 1, temperature), pass_key("online", 1, temperature)):
         if key in passes:
             return passes[key]
     return next(iter(passes.values()), None)
 
 
-def _match_cell(passes: dict[str, dict]) -> str:
+def _match_cell(passes: dict[str, dict], check: bool = True) -> str:
+    """matched/compared over a method's passes; a failed check is loud. Not
+    a check (sampled passes): the plain fraction."""
     compared = matched = 0
     for p in passes.values():
         m = p.get("match_vs_baseline")
@@ -177,7 +239,25 @@ def _match_cell(passes: dict[str, dict]) -> str:
     if not compared:
         return "(reference)" if passes and next(iter(passes.values()))["method"] == BASELINE else "-"
     cell = f"{matched}/{compared}"
-    return cell if matched == compared else f"**{cell} MISMATCH**"
+    return cell if matched == compared or not check else f"**{cell} MISMATCH**"
+
+
+def decoding_text(config: dict, show_ignore_eos: bool = True) -> str:
+    """How a run's requests decoded, from its config: ``greedy`` (as runs
+    always said), then any sampled temperatures and what they force."""
+    temps = config.get("temperatures") or [config.get("temperature") or 0.0]
+    parts = []
+    if 0 in temps:
+        parts.append("greedy" + (", ignore_eos" if show_ignore_eos and config.get("ignore_eos")
+                                 else ""))
+    sampled = [t for t in temps if t]
+    if sampled:
+        parts.append(
+            f"sampled at temperature {', '.join(f'{t:g}' for t in sampled)} "
+            f"(top-p {config.get('top_p', 1.0):g}; ignore_eos forced, so every request "
+            f"makes all {config.get('max_tokens')} tokens with every method; a fixed "
+            f"seed per request: --seed * {SEED_STRIDE} + prompt index)")
+    return "; ".join(parts)
 
 
 def _selection(config: dict) -> str:
@@ -189,11 +269,136 @@ def _selection(config: dict) -> str:
     return f"; questions {first}-{skip + per_category} of every category"
 
 
+def _temperature_tables(results: dict, temperature: float, titled: bool) -> list[str]:
+    """The overall, every-level and per-category tables of the passes at
+    one temperature; ``titled``: the run has several (or sampled) ones, so
+    the section titles name it."""
+    by_method = _passes_by(results, temperature)
+    offline_levels = _levels(results, "offline", temperature)
+    online_levels = _levels(results, "online", temperature)
+    check = not temperature
+    title = ""
+    if titled:
+        title = (", greedy (temperature 0)" if check
+                 else f", temperature {temperature:g} (sampled)")
+    lines: list[str] = []
+
+    def key(workload: str, level: int) -> str:
+        return pass_key(workload, level, temperature)
+
+    # Overall table.
+    header = ["method", "tau", "tok/step", "fwd/tok"]
+    for b in offline_levels:
+        header += [f"tok/s b{b}", f"speedup b{b}"]
+    top_c = online_levels[-1] if online_levels else None
+    if online_levels:
+        if online_levels[0] != top_c:
+            header += [f"tok/s c{online_levels[0]}"]
+        header += [f"tok/s c{top_c}", f"speedup c{top_c}", f"p50 / p99 latency c{top_c} (s)",
+                   f"TPOT c{top_c} (ms)"]
+    header += ["greedy match" if check else "same as `none` (not a check)"]
+    lines += [f"## Overall{title}", "", "| " + " | ".join(header) + " |",
+              "|" + "---|" * len(header)]
+    base = by_method.get(BASELINE, {})
+
+    def speed(passes, key):
+        p = passes.get(key)
+        return p["summary"]["tokens_per_s"] if p else None
+
+    def ratio(passes, key):
+        a, b = speed(passes, key), speed(base, key)
+        return f"{a / b:.2f}x" if a and b else "-"
+
+    for method, passes in by_method.items():
+        ref = _reference_pass(passes, temperature)
+        s = ref["summary"] if ref else {}
+        # An online pass of a method without ESP's worker count only bounds
+        # its forwards from below (metrics.py): mark the bounds.
+        bound = s.get("forwards_exact") is False
+        row = [f"`{method}`", _fmt(s.get("tau")),
+               ("≤ " if bound else "") + _fmt(s.get("tokens_per_step")),
+               ("≥ " if bound else "") + _fmt(s.get("forwards_per_token"))]
+        for b in offline_levels:
+            row += [_fmt(speed(passes, key("offline", b)), 1),
+                    ratio(passes, key("offline", b))]
+        if online_levels:
+            if online_levels[0] != top_c:
+                row += [_fmt(speed(passes, key("online", online_levels[0])), 1)]
+            top = passes.get(key("online", top_c), {}).get("summary", {})
+            row += [_fmt(top.get("tokens_per_s"), 1), ratio(passes, key("online", top_c)),
+                    f"{_fmt(top.get('latency_p50_s'))} / {_fmt(top.get('latency_p99_s'))}",
+                    _fmt(top.get("tpot_mean_ms"), 1)]
+        row.append(_match_cell(passes, check))
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+
+    # Every level: speed-up over `none` and rows per request-step.
+    level_keys = ([key("offline", b) for b in offline_levels]
+                  + [key("online", c) for c in online_levels])
+    if len(level_keys) > 1:
+        lines += [f"## Speed-up and rows per step at every level{title}", "",
+                  "speed-up over `none` (rows per request per decode step: 1 + "
+                  "verified draft slots, ESP's mask rows included / decode steps)",
+                  "", "| method | " + " | ".join(level_keys) + " |",
+                  "|---|" + "---|" * len(level_keys)]
+        for method, passes in by_method.items():
+            row = [f"`{method}`"]
+            for level_key in level_keys:
+                p = passes.get(level_key)
+                rows = _fmt(p["summary"].get("rows_per_step")) if p else "-"
+                row.append(f"{ratio(passes, level_key)} ({rows})")
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    if not check and level_keys:
+        # Under sampling, what a method's verification accepts is the
+        # question (`esp` walks its trees, `esp-chain` verifies one chain).
+        lines += [f"## Tokens per decode step at every level{title}", "",
+                  "output tokens per decode step (≤: a bound, see above)", "",
+                  "| method | " + " | ".join(level_keys) + " |",
+                  "|---|" + "---|" * len(level_keys)]
+        for method, passes in by_method.items():
+            row = [f"`{method}`"]
+            for level_key in level_keys:
+                summary = passes.get(level_key, {}).get("summary", {})
+                bound = "≤ " if summary.get("forwards_exact") is False else ""
+                row.append(bound + _fmt(summary.get("tokens_per_step")))
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+
+    # Per-category tau and tokens per decode step.
+    categories = list(dict.fromkeys(p["category"] for p in results["prompts"]))
+    spec_methods = [m for m in by_method if m != BASELINE]
+    if spec_methods:
+        ref_keys = {m: (_reference_pass(by_method[m], temperature) or {}).get("key")
+                    for m in spec_methods}
+        source = ("From each method's " + ", ".join(sorted(set(filter(None, ref_keys.values()))))
+                  + " pass.")
+        for metric, heading in (("tau", "tau per category"),
+                                ("tokens_per_step", "tokens per decode step per category")):
+            lines += [f"## {heading}{title}", "", source, "",
+                      "| category | " + " | ".join(f"`{m}`" for m in spec_methods) + " |",
+                      "|---|" + "---|" * len(spec_methods)]
+            for category in categories + ["overall"]:
+                row = [category if category != "overall" else "**overall**"]
+                for m in spec_methods:
+                    ref = _reference_pass(by_method[m], temperature)
+                    if not ref:
+                        row.append("-")
+                    elif category == "overall":
+                        row.append(_fmt(ref["summary"].get(metric)))
+                    else:
+                        row.append(_fmt(ref["summary"]["per_category"].get(
+                            category, {}).get(metric)))
+                lines.append("| " + " | ".join(row) + " |")
+            lines.append("")
+
+    return lines
+
+
 def render_markdown(results: dict) -> str:
     meta, config = results["meta"], results["config"]
     by_method = _passes_by(results)
-    offline_levels = _levels(results, "offline")
-    online_levels = _levels(results, "online")
+    temps = temperatures(results)
     lines = [f"# Spec-Bench: vllm-esp ({meta.get('timestamp', '')})", ""]
     lines += [
         f"- command: `{meta.get('command', '')}`",
@@ -204,8 +409,7 @@ def render_markdown(results: dict) -> str:
         f"prefix caching {'on' if config.get('prefix_caching') else 'off'}",
         f"- prompts: {len(results['prompts'])} ({config.get('prompt_source')}"
         f"{_selection(config)}), "
-        f"max {config.get('max_tokens')} new tokens, greedy"
-        f"{', ignore_eos' if config.get('ignore_eos') else ''}",
+        f"max {config.get('max_tokens')} new tokens, {decoding_text(config)}",
         f"- machine: {meta.get('machine', {}).get('summary', '?')}; load average "
         f"at start {meta.get('loadavg_start')}, at end {meta.get('loadavg_end')}",
     ]
@@ -230,95 +434,22 @@ def render_markdown(results: dict) -> str:
         "`benchmarks/metrics.py`.",
         "",
     ]
-
-    # Overall table.
-    header = ["method", "tau", "tok/step", "fwd/tok"]
-    for b in offline_levels:
-        header += [f"tok/s b{b}", f"speedup b{b}"]
-    top_c = online_levels[-1] if online_levels else None
-    if online_levels:
-        if online_levels[0] != top_c:
-            header += [f"tok/s c{online_levels[0]}"]
-        header += [f"tok/s c{top_c}", f"speedup c{top_c}", f"p50 / p99 latency c{top_c} (s)",
-                   f"TPOT c{top_c} (ms)"]
-    header += ["greedy match"]
-    lines += ["## Overall", "", "| " + " | ".join(header) + " |",
-              "|" + "---|" * len(header)]
-    base = by_method.get(BASELINE, {})
-
-    def speed(passes, key):
-        p = passes.get(key)
-        return p["summary"]["tokens_per_s"] if p else None
-
-    def ratio(passes, key):
-        a, b = speed(passes, key), speed(base, key)
-        return f"{a / b:.2f}x" if a and b else "-"
-
-    for method, passes in by_method.items():
-        ref = _reference_pass(passes)
-        s = ref["summary"] if ref else {}
-        # An online pass of a method without ESP's worker count only bounds
-        # its forwards from below (metrics.py): mark the bounds.
-        bound = s.get("forwards_exact") is False
-        row = [f"`{method}`", _fmt(s.get("tau")),
-               ("≤ " if bound else "") + _fmt(s.get("tokens_per_step")),
-               ("≥ " if bound else "") + _fmt(s.get("forwards_per_token"))]
-        for b in offline_levels:
-            row += [_fmt(speed(passes, f"offline-b{b}"), 1), ratio(passes, f"offline-b{b}")]
-        if online_levels:
-            if online_levels[0] != top_c:
-                row += [_fmt(speed(passes, f"online-c{online_levels[0]}"), 1)]
-            top = passes.get(f"online-c{top_c}", {}).get("summary", {})
-            row += [_fmt(top.get("tokens_per_s"), 1), ratio(passes, f"online-c{top_c}"),
-                    f"{_fmt(top.get('latency_p50_s'))} / {_fmt(top.get('latency_p99_s'))}",
-                    _fmt(top.get("tpot_mean_ms"), 1)]
-        row.append(_match_cell(passes))
-        lines.append("| " + " | ".join(row) + " |")
-    lines.append("")
-
-    # Every level: speed-up over `none` and rows per request-step.
-    level_keys = ([f"offline-b{b}" for b in offline_levels]
-                  + [f"online-c{c}" for c in online_levels])
-    if len(level_keys) > 1:
-        lines += ["## Speed-up and rows per step at every level", "",
-                  "speed-up over `none` (rows per request per decode step: 1 + "
-                  "verified draft slots, ESP's mask rows included / decode steps)",
-                  "", "| method | " + " | ".join(level_keys) + " |",
-                  "|---|" + "---|" * len(level_keys)]
-        for method, passes in by_method.items():
-            row = [f"`{method}`"]
-            for key in level_keys:
-                p = passes.get(key)
-                rows = _fmt(p["summary"].get("rows_per_step")) if p else "-"
-                row.append(f"{ratio(passes, key)} ({rows})")
-            lines.append("| " + " | ".join(row) + " |")
-        lines.append("")
-
-    # Per-category tau and tokens per decode step.
-    categories = list(dict.fromkeys(p["category"] for p in results["prompts"]))
-    spec_methods = [m for m in by_method if m != BASELINE]
-    if spec_methods:
-        ref_keys = {m: (_reference_pass(by_method[m]) or {}).get("key") for m in spec_methods}
-        source = ("From each method's " + ", ".join(sorted(set(filter(None, ref_keys.values()))))
-                  + " pass.")
-        for metric, title in (("tau", "tau per category"),
-                              ("tokens_per_step", "tokens per decode step per category")):
-            lines += [f"## {title}", "", source, "",
-                      "| category | " + " | ".join(f"`{m}`" for m in spec_methods) + " |",
-                      "|---|" + "---|" * len(spec_methods)]
-            for category in categories + ["overall"]:
-                row = [category if category != "overall" else "**overall**"]
-                for m in spec_methods:
-                    ref = _reference_pass(by_method[m])
-                    if not ref:
-                        row.append("-")
-                    elif category == "overall":
-                        row.append(_fmt(ref["summary"].get(metric)))
-                    else:
-                        row.append(_fmt(ref["summary"]["per_category"].get(
-                            category, {}).get(metric)))
-                lines.append("| " + " | ".join(row) + " |")
-            lines.append("")
+    if any(temps):
+        lines += [
+            "Every table is given per temperature; a sampled pass's key ends in its "
+            "temperature (`offline-b8-T0.7`), and its speed-up is over `none` at the "
+            "same level and temperature. Sampled outputs legitimately differ from "
+            "`none`'s (speculative sampling keeps the distribution, not the tokens): "
+            "their identical fraction is shown for information and is **not a "
+            "correctness check**. The output check is the greedy passes' only. "
+            "vLLM's `ngram` accepted counts are not replayed in sampled passes (the "
+            "replay assumes greedy acceptance), so their tau may count drafts "
+            "accepted past max_tokens; tok/step and fwd/tok are counted steps either "
+            "way.",
+            "",
+        ]
+    for temperature in temps:
+        lines += _temperature_tables(results, temperature, titled=any(temps))
 
     # Every pass.
     lines += ["## Every pass", "",
@@ -330,8 +461,9 @@ def render_markdown(results: dict) -> str:
         for key, p in passes.items():
             s = p["summary"]
             m = p.get("match_vs_baseline")
-            match = "-" if not m else (f"{m['matched']}/{m['compared']}"
-                                       + ("" if m["ok"] else " **MISMATCH**"))
+            match = "-" if not m else (f"{m['matched']}/{m['compared']}" + (
+                " (sampled: not a check)" if _temperature(p)
+                else "" if m["ok"] else " **MISMATCH**"))
             lat = (f"{_fmt(s.get('latency_p50_s'))} / {_fmt(s.get('latency_p99_s'))}"
                    if "latency_p50_s" in s else "-")
             lines.append("| " + " | ".join([
@@ -391,14 +523,36 @@ def _rounds_section(by_method: dict[str, dict[str, dict]]) -> list[str]:
             "| method | pass | speed-up per round |", "|---|---|---|"] + rows + [""]
 
 
+def plot_names(temperature: float) -> tuple[str, str]:
+    """The two plots' file names at one temperature: greedy's as they
+    always were, a sampled temperature's with it appended.
+
+    >>> plot_names(0.7)
+    ('tau_per_category_T0.7.png', 'tokens_per_s_vs_concurrency_T0.7.png')
+    """
+    suffix = f"_{temperature_label(temperature)}" if temperature else ""
+    return f"tau_per_category{suffix}.png", f"tokens_per_s_vs_concurrency{suffix}.png"
+
+
 def write_plots(results: dict, out_dir: Path) -> list[Path]:
+    """tau_per_category.png and tokens_per_s_vs_concurrency.png, once per
+    temperature (``plot_names``)."""
+    written: list[Path] = []
+    for temperature in temperatures(results):
+        written += _write_plots_at(results, out_dir, temperature)
+    return written
+
+
+def _write_plots_at(results: dict, out_dir: Path, temperature: float) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    by_method = _passes_by(results)
+    by_method = _passes_by(results, temperature)
+    tau_name, speed_name = plot_names(temperature)
+    at = f", temperature {temperature:g}" if temperature else ""
     categories = list(dict.fromkeys(p["category"] for p in results["prompts"]))
     spec_methods = [m for m in by_method if m != BASELINE]
 
@@ -411,7 +565,7 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
                                  sharex=True)
         for ax, (metric, ylabel) in zip(axes, panels):
             for i, method in enumerate(spec_methods):
-                ref = _reference_pass(by_method[method])
+                ref = _reference_pass(by_method[method], temperature)
                 values = []
                 for category in labels:
                     if ref is None:
@@ -429,23 +583,23 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
         axes[-1].set_xticks(range(len(labels)))
         axes[-1].set_xticklabels(labels, rotation=35, ha="right")
         axes[0].set_title(f"acceptance per Spec-Bench category "
-                          f"({results['config'].get('model_name')})")
+                          f"({results['config'].get('model_name')}{at})")
         fig.tight_layout()
-        path = out_dir / "tau_per_category.png"
+        path = out_dir / tau_name
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
 
-    workloads = [w for w in ("offline", "online") if _levels(results, w)]
+    workloads = [w for w in ("offline", "online") if _levels(results, w, temperature)]
     if workloads:
         fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.2),
                                  squeeze=False)
         for ax, workload in zip(axes[0], workloads):
-            levels = _levels(results, workload)
+            levels = _levels(results, workload, temperature)
             for method, passes in by_method.items():
                 xs, ys = [], []
                 for level in levels:
-                    key = f"{workload}-{'b' if workload == 'offline' else 'c'}{level}"
+                    key = pass_key(workload, level, temperature)
                     if key in passes:
                         xs.append(level)
                         ys.append(passes[key]["summary"]["tokens_per_s"])
@@ -457,11 +611,11 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
             ax.set_xticklabels([str(x) for x in levels])
             ax.set_xlabel("max batch size" if workload == "offline" else "client concurrency")
             ax.set_ylabel("output tokens/s")
-            ax.set_title(f"{workload}: output tokens/s")
+            ax.set_title(f"{workload}: output tokens/s{at}")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         fig.tight_layout()
-        path = out_dir / "tokens_per_s_vs_concurrency.png"
+        path = out_dir / speed_name
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)

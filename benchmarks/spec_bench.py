@@ -19,6 +19,14 @@ minutes apart, not a whole matrix apart: a small shared machine's speed
 drifts by 10% and more over tens of minutes (docs/results.md, "ESP at b8
 under the benchmark's own engine").
 
+``--temperature 0 0.7`` samples too: every temperature is its own set of
+levels, run in the order given (every method at each of T=0's levels, then
+at each of T=0.7's), and its passes are labelled with it (``offline-b8`` is
+greedy, ``offline-b8-T0.7`` sampled). A sampled pass makes exactly
+``--max-tokens`` tokens per request with every method (``ignore_eos`` is
+forced), and each request has a fixed seed, ``--seed * 100003 + prompt
+index`` (``benchmarks.metrics.request_seed``), also sent to the server.
+
 * offline: ``LLM.generate`` over the whole set on an engine with
   ``max_num_seqs`` b, for each ``--batch-sizes`` entry b (default 1 and
   ``--max-num-seqs``), see benchmarks/offline.py;
@@ -29,7 +37,8 @@ Reported per method, per pass and per category: tau, target forwards per
 output token, output tokens/s, time per output token, request latency
 p50/p99 (online) and the greedy-output match against ``none``; definitions
 in benchmarks/metrics.py. Any mismatch is printed loudly and makes the exit
-status 1.
+status 1. Sampled passes are compared too, for information only (sampled
+outputs legitimately differ): they never fail the run.
 
 Results: ``benchmarks/results/<timestamp>/`` (``--out`` to change):
 results.json (every raw number, plus the command line, git commit, versions
@@ -86,7 +95,16 @@ def parse_args(argv=None) -> argparse.Namespace:
              "package; skipped with a notice otherwise)")
     add("--max-tokens", type=int, default=128, help="new tokens per request")
     add("--ignore-eos", action="store_true",
-        help="always generate --max-tokens tokens")
+        help="always generate --max-tokens tokens (forced for sampled passes)")
+    add("--temperature", dest="temperatures", type=float, nargs="+", default=[0.0],
+        metavar="T",
+        help="sampling temperature(s), 0 = greedy. Each temperature is its own "
+             "set of levels, in the order given (every method at T1's levels, "
+             "then at T2's); sampled passes (T > 0) force ignore_eos, so every "
+             "method makes exactly --max-tokens tokens, and give each request the "
+             "seed --seed * 100003 + prompt index")
+    add("--top-p", type=float, default=1.0,
+        help="nucleus sampling of the sampled passes (T > 0)")
     add("--methods", nargs="+", default=list(DEFAULT_METHODS),
         help="method names, 'default' or 'all' (see --list-methods); 'none' "
              "is always added as the reference")
@@ -129,6 +147,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("batch sizes and concurrency levels must be >= 1")
     if args.rounds < 1:
         parser.error(f"--rounds: at least 1, got {args.rounds}")
+    if min(args.temperatures) < 0:
+        parser.error(f"--temperature: at least 0, got {args.temperatures}")
+    args.temperatures = list(dict.fromkeys(args.temperatures))
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p: in (0, 1], got {args.top_p}")
     return args
 
 
@@ -258,16 +281,20 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def pass_schedule(batch_sizes: list[int], concurrency: list[int]
-                  ) -> list[tuple[str, int]]:
+def pass_schedule(batch_sizes: list[int], concurrency: list[int],
+                  temperatures: list[float] = (0.0,)) -> list[tuple[str, int, float]]:
     """The order of the levels, each run by every method in turn before the
-    next level starts: offline batch sizes, then online concurrency levels.
+    next level starts: offline batch sizes, then online concurrency levels,
+    at the first temperature, then all of them again at the next one.
 
     >>> pass_schedule([1, 8], [4])
-    [('offline', 1), ('offline', 8), ('online', 4)]
+    [('offline', 1, 0.0), ('offline', 8, 0.0), ('online', 4, 0.0)]
+    >>> pass_schedule([8], [4], [0.0, 0.7])
+    [('offline', 8, 0.0), ('online', 4, 0.0), ('offline', 8, 0.7), ('online', 4, 0.7)]
     """
-    return ([("offline", level) for level in batch_sizes]
-            + [("online", level) for level in concurrency])
+    return [(workload, level, temperature) for temperature in temperatures
+            for workload, levels in (("offline", batch_sizes), ("online", concurrency))
+            for level in levels]
 
 
 def round_order(methods: list, round_index: int) -> list:
@@ -282,18 +309,19 @@ def round_order(methods: list, round_index: int) -> list:
     return list(methods) if round_index % 2 == 0 else list(methods)[::-1]
 
 
-def run_levels(methods: list, schedule: list[tuple[str, int]], run_pass,
+def run_levels(methods: list, schedule: list[tuple[str, int, float]], run_pass,
                method_info: dict[str, dict], checkpoint=None, rounds: int = 1) -> list:
     """Every method at each level of ``schedule`` in turn, ``rounds`` times
     per level (``round_order``): ``run_pass(method, workload, level,
-    round_index)`` returns that round's passes. A method that raises is
+    temperature, round_index)`` returns that round's passes. A method that raises is
     marked failed in ``method_info`` (its earlier passes are kept) and skips
     the later rounds and levels; the other methods go on.
     ``checkpoint(passes)`` after every level."""
     from benchmarks import report
+    from benchmarks.metrics import pass_key
 
     passes: list = []
-    for workload, level in schedule:
+    for workload, level, temperature in schedule:
         for round_index in range(rounds):
             for method in round_order(methods, round_index):
                 info = method_info[method.name]
@@ -301,14 +329,15 @@ def run_levels(methods: list, schedule: list[tuple[str, int]], run_pass,
                     continue
                 started = time.monotonic()
                 try:
-                    passes += run_pass(method, workload, level, round_index)
+                    passes += run_pass(method, workload, level, temperature, round_index)
                 except Exception as error:  # keep going: one broken method must
                     import traceback  # not cost the other results
                     traceback.print_exc()
                     info.update(status="failed",
                                 reason=f"{type(error).__name__}: {str(error)[:2000]}")
                     print(f"\n{report.LOUD}\n!!! METHOD FAILED: {method.name} at "
-                          f"{workload} {level}: {error}\n{report.LOUD}", flush=True)
+                          f"{pass_key(workload, level, temperature)}: {error}\n"
+                          f"{report.LOUD}", flush=True)
                 info["seconds_total"] = round(info.get("seconds_total", 0.0)
                                               + time.monotonic() - started, 1)
         if checkpoint is not None:
@@ -317,10 +346,11 @@ def run_levels(methods: list, schedule: list[tuple[str, int]], run_pass,
 
 
 def correct_cut_last_steps(method, passes, prompts) -> None:
-    """Exact accepted counts for vLLM's ngram (the harness decodes greedily):
-    vLLM also counts drafts accepted past max_tokens / a stop token, which
-    would credit the method with forwards it did not save (see the
-    benchmarks.metrics docstring)."""
+    """Exact accepted counts for vLLM's ngram in greedy passes: vLLM also
+    counts drafts accepted past max_tokens / a stop token, which would
+    credit the method with forwards it did not save (see the
+    benchmarks.metrics docstring). The replay assumes greedy acceptance, so
+    sampled passes keep vLLM's counts, with a note."""
     from benchmarks.metrics import with_replayed_drafts
 
     drafter = method.chain_drafter()
@@ -328,6 +358,12 @@ def correct_cut_last_steps(method, passes, prompts) -> None:
         return
     prompt_ids = {p.index: p.token_ids for p in prompts}
     for result in passes:
+        if result.temperature:
+            result.notes.append(
+                "sampled: vLLM's accepted counts kept, not replayed (the replay "
+                "assumes greedy acceptance); tau may count drafts accepted past "
+                "max_tokens, tok/step and fwd/tok are counted steps")
+            continue
         result.records = [with_replayed_drafts(r, prompt_ids[r.index], drafter)
                           for r in result.records]
         cut = [r for r in result.records if r.accepted_tokens_reported is not None]
@@ -370,6 +406,7 @@ def main(argv=None) -> int:
         selected_methods.insert(0, methods_mod.METHODS[methods_mod.BASELINE])
         print("NOTICE: added 'none' (no speculation): it is the reference for "
               "speedups and for the greedy-output check.", flush=True)
+    sampled = [t for t in args.temperatures if t > 0]
 
     meta = run_metadata(argv)
     out_dir = Path(args.out) if args.out else RESULTS_ROOT / dt.datetime.now().strftime(
@@ -382,7 +419,7 @@ def main(argv=None) -> int:
     from vllm import SamplingParams
 
     from benchmarks import report
-    from benchmarks.metrics import Prompt
+    from benchmarks.metrics import Decoding, Prompt, temperature_label
     from benchmarks.offline import run_offline
     from benchmarks.online import run_online
     from vllm_esp_dev.data import chat_prompt_ids
@@ -400,15 +437,17 @@ def main(argv=None) -> int:
     llm_options = {"dtype": args.dtype, "max_model_len": max_model_len, "seed": args.seed,
                    "enforce_eager": not args.compile,
                    "enable_prefix_caching": bool(args.prefix_caching)}
-    sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                              ignore_eos=args.ignore_eos)
     run_offline_pass = not args.online_only
     run_online_pass = not args.offline_only
     config = {
         "model": model, "model_name": args.model, "dtype": args.dtype,
         "compile": args.compile, "prefix_caching": bool(args.prefix_caching),
         "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
-        "temperature": 0.0, "seed": args.seed, "max_model_len": max_model_len,
+        # One value as before, or the list of a run with several.
+        "temperature": (args.temperatures[0] if len(args.temperatures) == 1
+                        else args.temperatures),
+        "temperatures": args.temperatures, "top_p": args.top_p,
+        "seed": args.seed, "max_model_len": max_model_len,
         "rounds": args.rounds,
         "prompt_source": source, "per_category": None if args.full else args.per_category,
         "skip_per_category": args.skip_per_category,
@@ -417,12 +456,19 @@ def main(argv=None) -> int:
         "concurrency": args.concurrency if run_online_pass else [],
         "methods": [m.name for m in selected_methods],
     }
+    if sampled:
+        config["sampled_passes"] = {
+            "temperatures": sampled, "top_p": args.top_p, "ignore_eos": True,
+            "max_tokens": args.max_tokens,
+            "request_seed": "seed * 100003 + prompt index (benchmarks.metrics.request_seed)",
+            "output_check": "none: identical outputs are counted for information only"}
     prompt_info = [{"index": p.index, "category": p.category,
                     "question_id": p.question_id, "prompt_tokens": len(p.token_ids)}
                    for p in prompts]
 
     print(f"model: {model} ({args.dtype}, {'compile' if args.compile else 'eager'})\n"
-          f"prompts: {len(prompts)} from {source}, {args.max_tokens} new tokens, greedy\n"
+          f"prompts: {len(prompts)} from {source}, {args.max_tokens} new tokens, "
+          f"{report.decoding_text(config, show_ignore_eos=False)}\n"
           f"methods: {', '.join(m.name for m in selected_methods)}\n"
           f"offline batch sizes: {config['batch_sizes'] or '-'}; "
           f"online concurrency: {config['concurrency'] or '-'}\n"
@@ -442,24 +488,36 @@ def main(argv=None) -> int:
         method_info[m.name] = info
 
     schedule = pass_schedule(args.batch_sizes if run_offline_pass else [],
-                             args.concurrency if run_online_pass else [])
+                             args.concurrency if run_online_pass else [],
+                             args.temperatures)
     bar = tqdm(total=len(runnable) * len(schedule) * len(prompts) * args.rounds, unit="req",
                desc="benchmark", dynamic_ncols=True)
 
-    def run_pass(m, workload: str, level: int, round_index: int) -> list:
+    def run_pass(m, workload: str, level: int, temperature: float,
+                 round_index: int) -> list:
         bar.set_description(f"{m.name} {workload} {level}"
+                            + (f" {temperature_label(temperature)}" if temperature else "")
                             + (f" round {round_index + 1}/{args.rounds}"
                                if args.rounds > 1 else ""))
+        decoding = Decoding.for_temperature(temperature, args.max_tokens, args.ignore_eos,
+                                            args.top_p, args.seed)
         if workload == "offline":
+            if decoding.sampled:
+                sampling = [SamplingParams(**decoding.request_options(p.index))
+                            for p in prompts]
+                warmup = SamplingParams(**{**decoding.request_options(), "max_tokens": 8})
+            else:  # one SamplingParams for every prompt, as always
+                sampling, warmup = SamplingParams(**decoding.request_options()), None
             level_passes = run_offline(m, model, prompts, [level], sampling, warmup_ids,
-                                       llm_options, progress=bar.update)
+                                       llm_options, progress=bar.update,
+                                       temperature=temperature, warmup_params=warmup)
         else:
-            level_passes = run_online(m, model, prompts, [level], args.max_tokens,
-                                      args.ignore_eos, warmup_ids, llm_options, log_dir,
-                                      progress=bar.update)
-        correct_cut_last_steps(m, level_passes, prompts)
+            level_passes = run_online(m, model, prompts, [level], decoding, warmup_ids,
+                                      llm_options, log_dir, progress=bar.update)
         for level_pass in level_passes:
             level_pass.round = round_index
+            level_pass.temperature = temperature
+        correct_cut_last_steps(m, level_passes, prompts)
         return level_passes
 
     def checkpoint(passes_so_far: list) -> None:
@@ -492,11 +550,17 @@ def main(argv=None) -> int:
 
     print("\n" + markdown)
     failures = 0
-    for (method, key), match in report.check_matches(passes).items():
-        if not match.ok:
-            failures += 1
-            print(report.mismatch_banner(method, key, match), flush=True)
-    if not any(p.method == methods_mod.BASELINE for p in passes):
+    for method, key, match in report.failed_checks(passes):
+        failures += 1
+        print(report.mismatch_banner(method, key, match), flush=True)
+    informational = report.sampled_matches(passes)
+    if informational:
+        print("Sampled passes, outputs identical to none's (for information, NOT a "
+              "correctness check: sampled outputs legitimately differ): "
+              + "; ".join(f"{method} {key} {m.matched}/{m.compared}"
+                          for (method, key), m in informational.items()), flush=True)
+    if 0 in args.temperatures and not any(
+            p.method == methods_mod.BASELINE and not p.temperature for p in passes):
         print("NOTICE: no 'none' results: the greedy-output check did not run.")
     failed = [n for n, i in method_info.items() if i.get("status") == "failed"]
     print(f"\nresults written to {out_dir} ({meta['seconds_total']:.0f} s)"

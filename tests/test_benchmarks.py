@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import methods, report
 from benchmarks.metrics import (
+    Decoding,
     PassResult,
     RequestRecord,
     compare_outputs,
@@ -450,9 +451,20 @@ def test_serve_command_and_request_payload(monkeypatch):
     assert "VLLM_SERVER_DEV_MODE" not in Server(plain, 8123, Path("log")).env()
     assert "--per-request-spec-decode-metrics" not in plain  # vLLM rejects it alone
 
-    payload = completion_payload([1, 2, 3], 64, ignore_eos=False)
+    payload = completion_payload([1, 2, 3], Decoding(max_tokens=64).request_options(0))
     assert payload["prompt"] == [1, 2, 3] and payload["temperature"] == 0.0
     assert payload["return_token_ids"] and payload["stream_options"]["include_usage"]
+    # Greedy requests send what they always sent: no seed, no top_p.
+    assert set(payload) == {"model", "prompt", "max_tokens", "temperature", "stream",
+                            "return_token_ids", "stream_options", "ignore_eos"}
+    assert (payload["max_tokens"], payload["ignore_eos"]) == (64, False)
+    # Sampled: vLLM's OpenAI fields top_p and seed, ignore_eos forced.
+    sampled = Decoding.for_temperature(0.7, 64, ignore_eos=False, top_p=0.9, seed=2)
+    payload = completion_payload([1, 2, 3], sampled.request_options(5))
+    assert (payload["temperature"], payload["top_p"], payload["seed"],
+            payload["ignore_eos"], payload["max_tokens"]) == (0.7, 0.9, 2 * 100003 + 5,
+                                                              True, 64)
+    assert payload["stream"] and payload["prompt"] == [1, 2, 3]
 
 
 # ------------------------------------------------------------ clean shutdown
@@ -674,13 +686,13 @@ def test_levels_run_one_after_another_with_every_method_in_each():
     from benchmarks import spec_bench
 
     schedule = spec_bench.pass_schedule([1, 8], [4])
-    assert schedule == [("offline", 1), ("offline", 8), ("online", 4)]
+    assert schedule == [("offline", 1, 0.0), ("offline", 8, 0.0), ("online", 4, 0.0)]
     runnable = [methods.METHODS[name] for name in ("none", "esp", "suffix")]
     info = {m.name: {"status": "ran"} for m in runnable}
     calls, checkpoints = [], []
 
-    def run_pass(method, workload, level, round_index):
-        assert round_index == 0
+    def run_pass(method, workload, level, temperature, round_index):
+        assert round_index == 0 and temperature == 0.0
         calls.append((workload, level, method.name))
         if method.name == "esp" and level == 8:
             raise RuntimeError("engine died")
@@ -707,13 +719,13 @@ def test_rounds_reverse_the_order_and_a_failure_skips_later_rounds():
     info = {m.name: {"status": "ran"} for m in runnable}
     calls = []
 
-    def run_pass(method, workload, level, round_index):
+    def run_pass(method, workload, level, temperature, round_index):
         calls.append((level, round_index, method.name))
         if method.name == "esp" and (level, round_index) == (4, 1):
             raise RuntimeError("engine died")
         return [(method.name, level, round_index)]
 
-    passes = spec_bench.run_levels(runnable, [("offline", 1), ("offline", 4)],
+    passes = spec_bench.run_levels(runnable, [("offline", 1, 0.0), ("offline", 4, 0.0)],
                                    run_pass, info, rounds=2)
     assert calls == [(1, 0, "none"), (1, 0, "esp"), (1, 0, "suffix"),
                      (1, 1, "suffix"), (1, 1, "esp"), (1, 1, "none"),
@@ -915,3 +927,297 @@ def test_the_machine_summary_names_the_vector_extensions():
     machine = machine_summary()
     if machine["vector_isa"]:
         assert f", {machine['vector_isa']})" in machine["summary"]
+
+
+# ---------------------------------------------------------- sampled passes
+def test_several_temperatures_are_each_a_set_of_levels_in_order():
+    """``--temperature 0 0.7``: every method at each of T=0's levels, then
+    every method at each of T=0.7's, and a pass is labelled with its
+    temperature (greedy keys stay as they always were)."""
+    from benchmarks import spec_bench
+    from benchmarks.metrics import pass_key, temperature_label
+
+    schedule = spec_bench.pass_schedule([1, 8], [4], [0.0, 0.7])
+    assert schedule == [("offline", 1, 0.0), ("offline", 8, 0.0), ("online", 4, 0.0),
+                        ("offline", 1, 0.7), ("offline", 8, 0.7), ("online", 4, 0.7)]
+    runnable = [methods.METHODS[name] for name in ("none", "esp", "esp-chain")]
+    info = {m.name: {"status": "ran"} for m in runnable}
+    calls = []
+
+    def run_pass(method, workload, level, temperature, round_index):
+        calls.append((pass_key(workload, level, temperature), method.name))
+        return [PassResult(method.name, workload, level, 1.0, [], temperature=temperature)]
+
+    passes = spec_bench.run_levels(runnable, schedule, run_pass, info, rounds=2)
+    keys = list(dict.fromkeys(key for key, _ in calls))
+    assert keys == ["offline-b1", "offline-b8", "online-c4",
+                    "offline-b1-T0.7", "offline-b8-T0.7", "online-c4-T0.7"]
+    assert calls[:6] == [("offline-b1", "none"), ("offline-b1", "esp"),
+                         ("offline-b1", "esp-chain"), ("offline-b1", "esp-chain"),
+                         ("offline-b1", "esp"), ("offline-b1", "none")]
+    assert [p.key for p in passes][-1] == "online-c4-T0.7"
+    assert (temperature_label(0.7), temperature_label(1.0), temperature_label(0.0)) == (
+        "T0.7", "T1", "")
+    assert PassResult("esp", "online", 4, 1.0, [], temperature=1.0).key == "online-c4-T1"
+    assert PassResult("esp", "offline", 8, 1.0, []).key == "offline-b8"
+
+    args = spec_bench.parse_args(["--temperature", "0", "0.7", "0.7", "--top-p", "0.9"])
+    assert (args.temperatures, args.top_p) == ([0.0, 0.7], 0.9)
+    assert spec_bench.parse_args([]).temperatures == [0.0]
+    for bad in (["--temperature", "-1"], ["--top-p", "0"], ["--top-p", "1.5"]):
+        with pytest.raises(SystemExit):
+            spec_bench.parse_args(bad)
+
+
+def test_sampled_requests_make_max_tokens_with_a_fixed_seed_each():
+    """Greedy requests decode as they always did; sampled ones force
+    ignore_eos (every method makes exactly max_tokens tokens) and carry a
+    seed fixed by the run's seed and the prompt."""
+    from benchmarks.metrics import request_seed
+
+    greedy = Decoding.for_temperature(0.0, 32, ignore_eos=False, top_p=0.5, seed=3)
+    assert greedy.request_options(4) == {"temperature": 0.0, "max_tokens": 32,
+                                         "ignore_eos": False}
+    assert Decoding.for_temperature(0.0, 32, ignore_eos=True).request_options(4)[
+        "ignore_eos"] is True
+    sampled = Decoding.for_temperature(0.7, 32, ignore_eos=False, top_p=0.5, seed=3)
+    assert sampled.sampled and not greedy.sampled
+    assert sampled.request_options(4) == {"temperature": 0.7, "max_tokens": 32,
+                                          "ignore_eos": True, "top_p": 0.5,
+                                          "seed": 3 * 100003 + 4}
+    # The warm-up prompt (index -1) and a request without an index go unseeded.
+    assert "seed" not in sampled.request_options(-1)
+    assert "seed" not in sampled.request_options()
+    # Deterministic and distinct per prompt and run seed.
+    seeds = [request_seed(s, i) for s in range(3) for i in range(50)]
+    assert len(set(seeds)) == len(seeds)
+    assert seeds == [request_seed(s, i) for s in range(3) for i in range(50)]
+    assert request_seed(0, 7) == 7 and request_seed(1, 0) == 100003
+
+
+def _two_temperature_passes(sampled_outputs):
+    outputs = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    passes = []
+    for temperature, candidate in ((0.0, outputs), (0.7, sampled_outputs)):
+        for method, tokens in (("none", outputs), ("esp", candidate),
+                               ("esp-chain", candidate)):
+            result = _pass(method, tokens)
+            result.temperature = temperature
+            passes.append(result)
+    return passes
+
+
+def test_sampled_outputs_are_compared_for_information_not_checked():
+    """A sampled pass whose outputs differ from none's is no failure: the
+    output check covers greedy passes only, and the report labels the
+    sampled passes' identical fraction as no correctness check."""
+    passes = _two_temperature_passes([[1, 2, 3, 4], [5, 9, 9, 9]])
+    assert report.failed_checks(passes) == []
+    info = report.sampled_matches(passes)
+    assert set(info) == {("esp", "offline-b1-T0.7"), ("esp-chain", "offline-b1-T0.7")}
+    assert (info[("esp", "offline-b1-T0.7")].matched,
+            info[("esp", "offline-b1-T0.7")].compared) == (1, 2)
+    # Sampled passes are compared with the sampled none, not the greedy one.
+    assert report.check_matches(passes)[("esp", "offline-b1")].ok
+    # A greedy mismatch still fails.
+    broken = _two_temperature_passes([[1, 2, 3, 4], [5, 6, 7, 8]])
+    broken[1].records[1].output_token_ids = [5, 0, 0, 0]
+    assert [(m, k) for m, k, _ in report.failed_checks(broken)] == [("esp", "offline-b1")]
+
+    config = {"model": "m", "max_tokens": 4, "temperatures": [0.0, 0.7],
+              "temperature": [0.0, 0.7], "top_p": 0.9}
+    results = report.build_results({}, config, [{"index": i, "category": "c"}
+                                                for i in range(2)],
+                                   {n: {"status": "ran"} for n in ("none", "esp", "esp-chain")},
+                                   passes)
+    by_key = {(p["method"], p["key"]): p for p in results["passes"]}
+    assert by_key[("esp", "offline-b1-T0.7")]["temperature"] == 0.7
+    assert by_key[("esp", "offline-b1-T0.7")]["match_is_check"] is False
+    assert by_key[("esp", "offline-b1")]["match_is_check"] is True
+    md = report.render_markdown(json.loads(json.dumps(results)))
+    assert "## Overall, greedy (temperature 0)" in md
+    assert "## Overall, temperature 0.7 (sampled)" in md
+    assert "## tokens per decode step per category, temperature 0.7 (sampled)" in md
+    assert "same as `none` (not a check)" in md
+    assert "MISMATCH" not in md
+    assert "1/2 (sampled: not a check)" in md
+    assert "**not a correctness check**" in md
+    assert "sampled at temperature 0.7 (top-p 0.9; ignore_eos forced" in md
+    # Tokens per step at every sampled level (the walk / chain A/B); greedy
+    # sections keep their tables.
+    assert "## Tokens per decode step at every level, temperature 0.7 (sampled)" in md
+    assert "## Tokens per decode step at every level, greedy" not in md
+    sampled_table = md.split("## Overall, temperature 0.7 (sampled)")[1].split("##")[0]
+    assert "| `esp` |" in sampled_table and "| 1/2 |" in sampled_table
+    # The baseline's own consistency is within one temperature.
+    assert report.baseline_consistency(passes) == {}
+
+
+def test_greedy_only_results_and_old_files_render_as_before():
+    """A greedy-only run's report has no temperature titles or labels, and
+    a results.json written before passes had a temperature renders the same
+    as a new one."""
+    passes = [_pass("none", [[1, 2, 3]]), _pass("esp", [[1, 2, 3]])]
+    results = report.build_results({}, {"model": "m", "max_tokens": 3, "temperature": 0.0},
+                                   [{"index": 0, "category": "c"}],
+                                   {"none": {"status": "ran"}, "esp": {"status": "ran"}},
+                                   passes)
+    md = report.render_markdown(results)
+    assert "## Overall\n" in md and "greedy match" in md and "temperature" not in md
+    assert "max 3 new tokens, greedy\n" in md
+    old = json.loads(json.dumps(results))
+    for p in old["passes"]:
+        del p["temperature"], p["match_is_check"]
+    assert report.render_markdown(old) == md
+    assert report.temperatures(old) == [0.0]
+    assert report.plot_names(0.0) == ("tau_per_category.png",
+                                      "tokens_per_s_vs_concurrency.png")
+    assert report.plot_names(0.7)[0] == "tau_per_category_T0.7.png"
+
+
+def test_ngram_replay_is_skipped_for_sampled_passes():
+    """The replay of vLLM's ngram drafter assumes greedy acceptance; a
+    sampled pass keeps vLLM's counts (here counts a greedy replay would
+    reject) and says so."""
+    from benchmarks.metrics import Prompt
+    from benchmarks.spec_bench import correct_cut_last_steps
+
+    prompt = Prompt(0, "qa", None, [1, 2, 3])
+    record = RequestRecord(0, "qa", [1, 2, 3, 9], spec_steps=2, accepted_tokens=3)
+    sampled = PassResult("ngram-k3", "offline", 1, 1.0, [record], temperature=0.7)
+    correct_cut_last_steps(methods.METHODS["ngram-k3"], [sampled], [prompt])
+    assert sampled.records == [record]
+    assert any("not replayed" in note for note in sampled.notes)
+    greedy = PassResult("ngram-k3", "offline", 1, 1.0, [record])
+    with pytest.raises(ValueError, match="replaying the drafter"):
+        correct_cut_last_steps(methods.METHODS["ngram-k3"], [greedy], [prompt])
+    # Tokens per step needs no replay: the counted steps are the same either way.
+    counted = record.with_emitting_steps(3, exact=True)
+    assert tokens_per_step([counted]) == pytest.approx(3 / 2)
+
+
+def test_esp_chain_is_the_default_with_sampled_chains():
+    from vllm_esp.config import ESPConfig
+
+    method = methods.METHODS["esp-chain"]
+    assert method.speculative_config == {"method": "esp", "sampling_verification": "chain"}
+    assert "chain" in method.description and "sampling" in method.description
+    assert method.cross_request_state
+    assert not ESPConfig.from_dict({"sampling_verification": "chain"}).tree_sampling
+    assert ESPConfig.from_dict({}).tree_sampling
+    assert "esp-chain" not in methods.DEFAULT_METHODS
+
+
+def test_offline_sampled_pass_warms_the_sampled_path_and_is_labelled(monkeypatch):
+    from types import SimpleNamespace
+
+    from benchmarks import offline
+    from benchmarks.metrics import Prompt
+    from vllm_esp_dev import runs
+
+    calls = []
+
+    def make_llm(model, speculative_config, max_num_seqs, **kwargs):
+        return SimpleNamespace(
+            llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(additional_config={})))
+
+    def generate(llm, prompts_token_ids, sampling_params, label=""):
+        calls.append(sampling_params)
+        return runs.GenerationRun(label, [[1, 2]] * len(prompts_token_ids),
+                                  [""] * len(prompts_token_ids), 1.5)
+
+    monkeypatch.setattr(runs, "make_llm", make_llm)
+    monkeypatch.setattr(runs, "generate", generate)
+    monkeypatch.setattr(runs, "warm_up", lambda llm, ids: None)
+    monkeypatch.setattr(runs, "shutdown", lambda llm: None)
+    prompts = [Prompt(i, "writing", i, [5, 6, i]) for i in range(3)]
+    passes = offline.run_offline(methods.METHODS["esp"], "model", prompts, [2],
+                                 ["p0", "p1", "p2"], [1], {}, temperature=0.7,
+                                 warmup_params="warm")
+    assert calls == ["warm", ["p0", "p1", "p2"]]
+    assert passes[0].temperature == 0.7 and passes[0].key == "offline-b2-T0.7"
+
+
+def test_spec_bench_sampled_run_end_to_end_without_engines(monkeypatch, tmp_path, capsys):
+    """The harness's main with the engines replaced: the schedule, the
+    requests' sampling parameters, the labels, results.json's config, and
+    the exit status: a sampled pass whose outputs differ from none's does
+    not make it 1, a greedy one does."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from benchmarks import offline, online, spec_bench
+    from vllm_esp_dev import data
+
+    for name in ("VLLM_LOGGING_LEVEL", "TOKENIZERS_PARALLELISM"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(spec_bench, "exit_on_sigterm", lambda: None)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        staticmethod(lambda model: SimpleNamespace()))
+    monkeypatch.setattr(data, "chat_prompt_ids", lambda tokenizer, q: [1, 2, 3])
+    monkeypatch.setattr(report, "write_plots", lambda results, out: [])
+    seen = []
+    greedy_bug = {"on": False}
+
+    def outputs(method, temperature, n):
+        if temperature and method != "none":
+            return [[7, 7, 7]] * n          # sampled: legitimately different
+        if greedy_bug["on"] and method == "esp":
+            return [[9, 9, 9]] * n
+        return [[4, 5, 6]] * n
+
+    def fake_offline(m, model, prompts, levels, sampling, warmup_ids, llm_options,
+                     progress=None, temperature=0.0, warmup_params=None):
+        seen.append(("offline", m.name, levels[0], temperature, sampling, warmup_params))
+        records = [RequestRecord(p.index, p.category, t) for p, t in
+                   zip(prompts, outputs(m.name, temperature, len(prompts)))]
+        return [PassResult(m.name, "offline", levels[0], 1.0, records,
+                           temperature=temperature)]
+
+    def fake_online(m, model, prompts, levels, decoding, warmup_ids, llm_options, log_dir,
+                    progress=None):
+        seen.append(("online", m.name, levels[0], decoding.temperature, decoding, None))
+        records = [RequestRecord(p.index, p.category, t) for p, t in
+                   zip(prompts, outputs(m.name, decoding.temperature, len(prompts)))]
+        return [PassResult(m.name, "online", levels[0], 1.0, records,
+                           temperature=decoding.temperature)]
+
+    monkeypatch.setattr(offline, "run_offline", fake_offline)
+    monkeypatch.setattr(online, "run_online", fake_online)
+    argv = ["--dataset", "bundled", "--per-category", "1", "--categories", "writing",
+            "coding", "--model", str(tmp_path / "model"), "--max-tokens", "3",
+            "--methods", "esp", "--batch-sizes", "2", "--concurrency", "2",
+            "--temperature", "0", "0.7", "--top-p", "0.9", "--seed", "1",
+            "--out", str(tmp_path / "out")]
+    assert spec_bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert [(w, m, level, t) for w, m, level, t, _, _ in seen] == [
+        ("offline", "none", 2, 0.0), ("offline", "esp", 2, 0.0),
+        ("online", "none", 2, 0.0), ("online", "esp", 2, 0.0),
+        ("offline", "none", 2, 0.7), ("offline", "esp", 2, 0.7),
+        ("online", "none", 2, 0.7), ("online", "esp", 2, 0.7)]
+    greedy_params, sampled_params = seen[0][4], seen[4][4]
+    assert greedy_params.temperature == 0.0 and greedy_params.seed is None
+    assert not greedy_params.ignore_eos and seen[0][5] is None
+    assert [p.seed for p in sampled_params] == [100003, 100004]
+    assert all(p.ignore_eos and p.max_tokens == 3 and p.temperature == 0.7
+               and p.top_p == 0.9 for p in sampled_params)
+    assert seen[4][5].max_tokens == 8 and seen[4][5].temperature == 0.7  # warm-up
+    assert seen[6][4] == Decoding(0.7, 3, True, 0.9, 1)
+    assert "sampled at temperature 0.7" in printed and "ignore_eos forced" in printed
+    assert "[esp] offline-b2: " in printed and "offline-b2-T0.7" in printed
+    assert "NOT a correctness check" in printed and "esp offline-b2-T0.7 0/2" in printed
+    assert "MISMATCH" not in printed
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["config"]["temperatures"] == [0.0, 0.7]
+    assert results["config"]["sampled_passes"]["ignore_eos"] is True
+    assert {p["key"] for p in results["passes"]} == {
+        "offline-b2", "online-c2", "offline-b2-T0.7", "online-c2-T0.7"}
+
+    seen.clear()
+    greedy_bug["on"] = True
+    assert spec_bench.main(argv[:-1] + [str(tmp_path / "out2")]) == 1
+    assert "GREEDY OUTPUT MISMATCH: esp [offline-b2]" in capsys.readouterr().out
+
