@@ -11,14 +11,23 @@ bundled prompts (or Spec-Bench with ``--dataset``). Prints the answers, a
 table with tokens/s and tau (mean tokens per verification step, from vLLM's
 own spec-decode counters) and whether the outputs are token-identical, which
 greedy ESP must guarantee. Quote speed as the ratio from one run.
+
+By default it prints nothing else: vLLM's start-up notices, Python's
+warnings and everything vLLM's engine processes write go to a temporary
+log (``quiet_output``), which is printed if the run fails. ``--verbose``
+shows it all as it comes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
+import tempfile
 import textwrap
+import warnings
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
@@ -38,15 +47,87 @@ def parse_args(argv=None):
     parser.add_argument("--esp-config", default=None,
                         help='extra ESP keys as JSON, e.g. \'{"block_complexity": 30}\'')
     parser.add_argument("--verbose", action="store_true",
-                        help="keep vLLM's INFO logging")
+                        help="show vLLM's logging, warnings and engine output")
     return parser.parse_args(argv)
+
+
+@contextlib.contextmanager
+def quiet_output():
+    """This process's own Python output (``print``, progress bars,
+    tracebacks) still reaches the terminal; whatever is written to file
+    descriptors 1 and 2 directly, by C++ libraries here and by everything in
+    the processes it starts (vLLM's engine core and worker: their logging,
+    warnings and progress bars), goes to a temporary log instead. If the
+    body raises, the log is printed to stderr before the traceback; after a
+    success it is deleted. Python's warnings in this process are ignored.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log = tempfile.NamedTemporaryFile(prefix="vllm-esp-demo-", suffix=".log", delete=False)
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    streams = sys.stdout, sys.stderr
+    sys.stdout = open(saved[1], "w", buffering=1, closefd=False, encoding="utf-8")
+    sys.stderr = open(saved[2], "w", buffering=1, closefd=False, encoding="utf-8")
+    for fd in (1, 2):
+        os.dup2(log.fileno(), fd)
+    failed = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield log.name
+        failed = False
+    except Exception:
+        sys.stderr.flush()
+        log.flush()
+        with open(log.name, encoding="utf-8", errors="replace") as captured:
+            text = captured.read()
+        if text:
+            print(f"\nThe run failed. What vLLM and its engine processes wrote "
+                  f"({log.name}):\n{text.rstrip()}\n", file=sys.stderr)
+        raise
+    finally:
+        # The terminal's streams stay open: vLLM's log handler here keeps
+        # the one it found at import.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = streams
+        for fd in (1, 2):
+            os.dup2(saved[fd], fd)
+        log.close()
+        if not failed:
+            os.unlink(log.name)
+
+
+def progress_bar(*args, **kwargs):
+    """vLLM's progress bars in ``LLM.generate`` but one: the generation's
+    (vLLM also draws one for rendering the prompts)."""
+    from tqdm import tqdm
+
+    if kwargs.get("desc") == "Rendering prompts":
+        kwargs["disable"] = True
+    return tqdm(*args, **kwargs)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not args.verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.verbose:
+        return run(args, progress=True)
+    quiet_vllm_logging()
+    with quiet_output():
+        return run(args, progress=progress_bar)
+
+
+def quiet_vllm_logging() -> None:
+    """vLLM's logging at ERROR, in this process and (through the engine's
+    logging config) in its engine processes: errors still show."""
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    # Also before vLLM configures its logger: some of its modules warn on
+    # import ("Triton is installed, but doesn't include CPU backend").
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def run(args, progress) -> int:
     import json
 
     from transformers import AutoTokenizer
@@ -75,7 +156,7 @@ def main(argv=None) -> int:
           flush=True)
     # Both engines decode a short warm-up prompt first, untimed.
     warmup_ids = data.chat_prompt_ids(tokenizer, {"turns": ["Say hello."]})
-    common = dict(max_num_seqs=args.batch_size, progress=True, warmup_ids=warmup_ids)
+    common = dict(max_num_seqs=args.batch_size, progress=progress, warmup_ids=warmup_ids)
     print("\n[1/2] vLLM, no speculation", flush=True)
     plain = run_once(model, prompts, greedy, label="vLLM (no speculation)", **common)
     print(f"\n[2/2] vLLM + ESP {esp_options}", flush=True)

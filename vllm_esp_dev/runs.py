@@ -93,7 +93,9 @@ def make_llm(model: str, speculative_config: dict | None = None, *,
 
 
 def generate(llm, prompts_token_ids: list[list[int]], sampling_params,
-             label: str = "", progress: bool = False) -> GenerationRun:
+             label: str = "", progress: bool | Any = False) -> GenerationRun:
+    """``progress``: vLLM's progress bars (``use_tqdm``: a bool, or a
+    function making a tqdm bar)."""
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompts_token_ids]
@@ -157,7 +159,7 @@ def warm_up(llm, prompt_ids: list[int]) -> None:
 
 def run_once(model: str, prompts_token_ids, sampling_params,
              speculative_config: dict | None = None, label: str = "",
-             progress: bool = False, warmup_ids: list[int] | None = None,
+             progress: bool | Any = False, warmup_ids: list[int] | None = None,
              **llm_kwargs) -> GenerationRun:
     """Build an engine, generate, shut it down; with ``warmup_ids``, first
     ``warm_up`` on them (as the benchmarks warm up every engine)."""
