@@ -16,6 +16,8 @@ setup(
     ),
     long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
+    # An SPDX identifier, and no licence classifier: setuptools deprecates
+    # those and warns on every build.
     license="Apache-2.0",
     python_requires=">=3.10",
     # vllm_esp is the runtime plugin. vllm_esp_dev holds the development
@@ -45,8 +47,5 @@ setup(
     entry_points={
         "vllm.general_plugins": ["esp = vllm_esp.plugin:register"],
     },
-    classifiers=[
-        "Programming Language :: Python :: 3",
-        "License :: OSI Approved :: Apache Software License",
-    ],
+    classifiers=["Programming Language :: Python :: 3"],
 )
