@@ -19,8 +19,12 @@ inside it, so that a step can be timed alone):
   per node, as ESP's ``tree: [rows/2 - 1]``; ``rows = 1`` is a step without
   a block, ``rows = 2`` the root and one mask).
 
-For every (batch size, context length) each engine gets ``batch`` requests
-with random prompts of about ``context`` tokens and prefills them. Then, for
+For every (temperature, batch size, context length) each engine gets
+``batch`` requests with random prompts of about ``context`` tokens and
+prefills them. ``--temperature 0.7`` makes them sampled requests
+(``--top-p``; each with its own seed), so that a step times the sampled
+verification path; several temperatures run one after the other, and every
+cell and profile names its temperature. Then, for
 each row count, the three engines take turns: a warm-up step or two (a new
 block size takes effect one step after it is set), then ``--steps`` timed
 calls of ``LLMEngine.step()`` each (scheduler, forward, verification,
@@ -191,20 +195,24 @@ class _Engine:
         self.request_ids: list[str] = []
         self._serial = 0
 
-    def start(self, batch: int, context: int, seed: int) -> dict[str, float]:
+    def start(self, batch: int, context: int, seed: int, temperature: float = 0.0,
+              top_p: float = 1.0) -> dict[str, float]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        from benchmarks.metrics import Decoding
+
         self.stop_requests()
         rng = np.random.default_rng(seed)
-        params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True,
-                                detokenize=False)
-        for _ in range(batch):
+        decoding = Decoding.for_temperature(temperature, 100_000, True, top_p, seed)
+        for index in range(batch):
             self._serial += 1
             request_id = f"r{self._serial}"
             # Token ids from the lower half of the vocabulary: real text
             # tokens, no special ones.
             prompt = rng.integers(100, self.vocab_size // 2, context).tolist()
+            # Greedy: temperature 0 as always; sampled: a seed per request.
+            params = SamplingParams(**decoding.request_options(index), detokenize=False)
             # vLLM may rename the request internally; keep its own id.
             self.request_ids.append(self.engine.add_request(
                 request_id, TokensPrompt(prompt_token_ids=prompt), params))
@@ -323,7 +331,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m",
                         help="bundled model name or a Hugging Face folder")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32",
+                        help="model dtype (float32, bfloat16), named in the table and JSON")
+    parser.add_argument("--temperature", dest="temperatures", type=float, nargs="+",
+                        default=[0.0], metavar="T",
+                        help="the requests' sampling temperature(s), 0 = greedy; "
+                        "several run one after the other")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus sampling of sampled requests (T > 0)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 10, 30])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
@@ -352,6 +367,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             r > 2 and r % 2 for r in args.rows):
         parser.error(f"--rows: 1, 2 or an even number up to {MAX_ROWS} "
                      "(ESP blocks here are a star tree with one mask per node)")
+    if min(args.temperatures) < 0 or not 0 < args.top_p <= 1:
+        parser.error("--temperature: at least 0; --top-p: in (0, 1]")
+    args.temperatures = list(dict.fromkeys(args.temperatures))
     return args
 
 
@@ -373,31 +391,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cells: list[dict[str, Any]] = []
     profiles: list[dict[str, Any]] = []
     try:
-        if not args.profile_only:
-            for batch in args.batch_sizes:
-                for context in args.contexts:
-                    cells.extend(_measure_point(workers, batch, context, args))
-        for point in args.profile or []:
-            batch, context, rows = (int(x) for x in point.split(":"))
-            # Every engine at the same point, so that ESP's parts can be
-            # set against vLLM's chain verification of the same rows.
-            for method, worker in workers.items():
-                worker.call("start", batch, context - 8, 7)
-                profile = worker.call("profile", rows, 4, args.warmup)
-                profile.update(method=method, batch=batch, context=context, rows=rows)
-                profiles.append(profile)
-                print(f"[step_cost] profile {method} b={batch} ctx={context} "
-                      f"rows={rows}: " + ", ".join(
-                          f"{k} {v:.0%}" for k, v in profile["shares"].items()),
-                      flush=True)
-                worker.call("stop_requests")
+        for temperature in args.temperatures:
+            if not args.profile_only:
+                for batch in args.batch_sizes:
+                    for context in args.contexts:
+                        cells.extend(_measure_point(workers, batch, context, args,
+                                                    temperature))
+            profiles.extend(_profile_points(workers, args, temperature))
     finally:
         for worker in workers.values():
             worker.close()
     return {"cells": cells, "profiles": profiles}
 
 
-def _measure_point(workers, batch: int, context: int, args) -> list[dict[str, Any]]:
+def _profile_points(workers, args, temperature: float) -> list[dict[str, Any]]:
+    profiles = []
+    for point in args.profile or []:
+        batch, context, rows = (int(x) for x in point.split(":"))
+        # Every engine at the same point, so that ESP's parts can be
+        # set against vLLM's chain verification of the same rows.
+        for method, worker in workers.items():
+            worker.call("start", batch, context - 8, 7, temperature, args.top_p)
+            profile = worker.call("profile", rows, 4, args.warmup)
+            profile.update(method=method, batch=batch, context=context, rows=rows,
+                           temperature=temperature)
+            profiles.append(profile)
+            print(f"[step_cost] profile {method} b={batch} ctx={context} "
+                  f"rows={rows}{_label(temperature)}: " + ", ".join(
+                      f"{k} {v:.0%}" for k, v in profile["shares"].items()),
+                  flush=True)
+            worker.call("stop_requests")
+    return profiles
+
+
+def _label(temperature: float) -> str:
+    return f" T={temperature:g}" if temperature else ""
+
+
+def _measure_point(workers, batch: int, context: int, args,
+                   temperature: float = 0.0) -> list[dict[str, Any]]:
     """All row counts at one (batch, context), the engines taking turns."""
     cells: dict[tuple[str, int], dict[str, Any]] = {}
     # Requests start a little short of the target, so that the contexts the
@@ -405,8 +437,9 @@ def _measure_point(workers, batch: int, context: int, args) -> list[dict[str, An
     start_context = max(8, context - 8)
     limit = context + max(16, context // 8)
     seed = 1000 * batch + context
+    sampling = (temperature, args.top_p)
     for worker in workers.values():
-        worker.call("start", batch, start_context, seed)
+        worker.call("start", batch, start_context, seed, *sampling)
     for round_number in range(args.repeats):
         order = list(args.rows) if round_number % 2 == 0 else list(reversed(args.rows))
         for rows in order:
@@ -414,18 +447,18 @@ def _measure_point(workers, batch: int, context: int, args) -> list[dict[str, An
                 result = worker.call("measure", rows, args.steps, args.warmup)
                 cell = cells.setdefault((method, rows), {
                     "method": method, "batch": batch, "context": context,
-                    "rows": rows, "seconds": [], "scheduled_tokens": [],
-                    "mean_contexts": []})
+                    "rows": rows, "temperature": temperature, "seconds": [],
+                    "scheduled_tokens": [], "mean_contexts": []})
                 cell["seconds"] += result["seconds"]
                 cell["scheduled_tokens"] += result["scheduled_tokens"]
                 cell["mean_contexts"].append(result["mean_context"])
                 if worker.call("mean_context") > limit:
-                    worker.call("start", batch, start_context, seed)
+                    worker.call("start", batch, start_context, seed, *sampling)
             line = "  ".join(
                 f"{m} {statistics.median(cells[(m, rows)]['seconds']) * 1e3:7.1f} ms"
                 for m in workers)
-            print(f"[step_cost] b={batch:2d} ctx={context:4d} rows={rows:2d}: {line}",
-                  flush=True)
+            print(f"[step_cost] b={batch:2d} ctx={context:4d} rows={rows:2d}"
+                  f"{_label(temperature)}: {line}", flush=True)
     for worker in workers.values():
         worker.call("stop_requests")
     out = []
@@ -439,16 +472,20 @@ def _measure_point(workers, batch: int, context: int, args) -> list[dict[str, An
 
 # ------------------------------------------------------------------ report
 def ratio_table(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (batch, context, rows): median step times and the two ratios the
-    targets are stated in (ESP / chain at equal rows, ESP 1 row / plain)."""
-    by_key = {(c["method"], c["batch"], c["context"], c["rows"]): c for c in cells}
+    """Per (temperature, batch, context, rows): median step times and the
+    two ratios the targets are stated in (ESP / chain at equal rows, ESP 1
+    row / plain), each engine against the others at the same temperature.
+    (Cells from before ``--temperature`` existed are greedy.)"""
+    by_key = {(c["method"], c.get("temperature", 0.0), c["batch"], c["context"],
+               c["rows"]): c for c in cells}
     rows_out = []
-    for (method, batch, context, rows), cell in sorted(by_key.items(), key=lambda kv: kv[0][1:]):
+    for (method, temperature, batch, context, rows), cell in sorted(
+            by_key.items(), key=lambda kv: kv[0][1:]):
         if method != "esp":
             continue
-        chain = by_key.get(("chain", batch, context, rows))
-        plain = by_key.get(("plain", batch, context, rows))
-        row = {"batch": batch, "context": context, "rows": rows,
+        chain = by_key.get(("chain", temperature, batch, context, rows))
+        plain = by_key.get(("plain", temperature, batch, context, rows))
+        row = {"temperature": temperature, "batch": batch, "context": context, "rows": rows,
                "esp_ms": cell["median_seconds"] * 1e3,
                "esp_scheduled": cell["median_scheduled_tokens"],
                "mean_context": cell["mean_context"]}
@@ -466,20 +503,28 @@ def ratio_table(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def render_markdown(results: dict[str, Any]) -> str:
+    table = ratio_table(results["cells"])
+    # A temperature column once any cell sampled (greedy runs look as before).
+    sampled = any(row["temperature"] for row in table)
     lines = [f"# Step cost ({results['meta']['date']})", "",
              f"Command: `{results['meta']['command']}`  ",
-             f"Commit: {results['meta']['commit']}; {results['meta']['machine']}", "",
+             f"Commit: {results['meta']['commit']}; {results['meta']['machine']}  ",
+             _setting_line(results), "",
              "Median time of one `LLMEngine.step()` per cell, as ratios measured in "
              "the same run (absolute times only set the scale of this machine). "
              "*rows* = tokens per request in the step (1 = plain decoding). "
              "*scheduled* = tokens the scheduler really scheduled per step."
+             + (" *T* = the requests' sampling temperature (0: greedy)." if sampled
+                else "")
              + _drafting_note(results), "",
-             "| batch | context | rows | ESP / chain | ESP / plain | chain / plain "
+             ("| T " if sampled else "")
+             + "| batch | context | rows | ESP / chain | ESP / plain | chain / plain "
              "| scheduled ESP / chain | mean context |",
-             "|---|---|---|---|---|---|---|---|"]
-    for row in ratio_table(results["cells"]):
+             "|---" * sampled + "|---|---|---|---|---|---|---|---|"]
+    for row in table:
         lines.append(
-            f"| {row['batch']} | {row['context']} | {row['rows']} "
+            (f"| {row['temperature']:g} " if sampled else "")
+            + f"| {row['batch']} | {row['context']} | {row['rows']} "
             f"| {_fmt(row.get('esp_vs_chain'))} | {_fmt(row.get('esp_vs_plain'))} "
             f"| {_fmt(row.get('chain_vs_plain'))} "
             f"| {row['esp_scheduled']:.0f} / {_count(row.get('chain_scheduled'))} "
@@ -493,12 +538,13 @@ def profile_tables(profiles: list[dict[str, Any]]) -> list[str]:
     a fraction of the reference engine's whole step (chain's if it ran,
     else plain's, else ESP's own): the parts' differences are what one
     engine's step costs beyond the other's."""
-    points: dict[tuple[int, int, int], dict[str, dict[str, Any]]] = {}
+    points: dict[tuple[int, int, int, float], dict[str, dict[str, Any]]] = {}
     for profile in profiles:
-        key = (profile["batch"], profile["context"], profile["rows"])
+        key = (profile["batch"], profile["context"], profile["rows"],
+               profile.get("temperature", 0.0))
         points.setdefault(key, {})[profile.get("method", "esp")] = profile
     lines: list[str] = []
-    for (batch, context, rows), by_method in points.items():
+    for (batch, context, rows, temperature), by_method in points.items():
         methods = [m for m in METHODS if m in by_method]
         reference = next(m for m in ("chain", "plain", "esp") if m in by_method)
         per_step = {m: {part: seconds / by_method[m]["steps"]
@@ -506,7 +552,8 @@ def profile_tables(profiles: list[dict[str, Any]]) -> list[str]:
                     for m in methods}
         scale = sum(per_step[reference].values())
         lines += ["", f"## Where a step goes: batch {batch}, context {context}, "
-                  f"{rows} rows", "",
+                  f"{rows} rows" + (f", temperature {temperature:g}" if temperature else ""),
+                  "",
                   f"Each part's time per step as a fraction of one {reference} step.", "",
                   "| part | " + " | ".join(methods) + " |",
                   "|---|" + "---|" * len(methods)]
@@ -518,6 +565,20 @@ def profile_tables(profiles: list[dict[str, Any]]) -> list[str]:
             lines.append(f"| {part} | " + " | ".join(f"{v / scale:.3f}" for v in values)
                          + " |")
     return lines
+
+
+def _setting_line(results: dict[str, Any]) -> str:
+    """Model, dtype and how the requests sampled, from the run's arguments
+    (results from before these were recorded say what they can)."""
+    args = results["meta"].get("args", {})
+    temps = args.get("temperatures") or [0.0]
+    sampled = [t for t in temps if t]
+    decoding = "greedy" if not sampled else (
+        ("greedy and " if 0 in temps else "")
+        + f"sampled at temperature {', '.join(f'{t:g}' for t in sampled)} "
+        f"(top-p {args.get('top_p', 1.0):g}, a seed per request)")
+    return (f"Model: {args.get('model', '?')}, dtype {args.get('dtype', '?')}; "
+            f"requests: {decoding}.")
 
 
 def _drafting_note(results: dict[str, Any]) -> str:
@@ -549,15 +610,18 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     contexts = sorted({r["context"] for r in table})
-    batches = sorted({r["batch"] for r in table})
+    batches = sorted({(r["temperature"], r["batch"]) for r in table})
+    several = len({t for t, _ in batches}) > 1
     figure, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4),
                                 squeeze=False)
     for axis, context in zip(axes[0], contexts):
-        for batch in batches:
+        for temperature, batch in batches:
             points = [r for r in table if r["context"] == context and r["batch"] == batch
-                      and "esp_vs_chain" in r]
+                      and r["temperature"] == temperature and "esp_vs_chain" in r]
             axis.plot([p["rows"] for p in points], [p["esp_vs_chain"] for p in points],
-                      marker="o", label=f"batch {batch}")
+                      marker="o", linestyle=":" if temperature else "-",
+                      label=f"batch {batch}" + (f", T={temperature:g}" if several or temperature
+                                                else ""))
         axis.axhline(1.15, color="grey", linestyle="--", linewidth=1, label="1.15x")
         axis.axhline(1.0, color="black", linewidth=0.5)
         axis.set_xscale("log")
@@ -586,6 +650,7 @@ def main(argv=None) -> int:
         "command": "./run python -m benchmarks.step_cost " + " ".join(sys.argv[1:] if argv is None else argv),
         "commit": commit,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "dtype": args.dtype, "temperatures": args.temperatures, "top_p": args.top_p,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }
     out = args.out or RESULTS_ROOT / f"step-cost-{started:%Y%m%d-%H%M%S}"

@@ -19,6 +19,13 @@ its cost in a warm loop).
 
     ./run python -m benchmarks.step_phases --dataset PATH --methods esp suffix \\
         --batch-size 1 --rounds 2 --skip-per-category 4
+    ./run python -m benchmarks.step_phases --dataset bundled --methods esp esp-chain \\
+        --temperature 0 0.7 --dtype bfloat16
+
+``--temperature`` runs every temperature in turn (all rounds of the
+first, then the next); a sampled one (T > 0) generates exactly
+``--max-tokens`` tokens per request (ignore_eos) with a seed per request,
+and its columns are named ``method T0.7``.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.metrics import temperature_label
 from vllm_esp.core.goodput import SOURCE_CORPUS, SOURCE_ESP, SOURCE_LOOKUP
 
 # vLLM's runner phases, then ESP's (absent for other methods).
@@ -195,9 +203,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--skip-per-category", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--temperature", dest="temperatures", type=float, nargs="+",
+                        default=[0.0], metavar="T",
+                        help="sampling temperature(s), 0 = greedy, run one after the "
+                        "other; sampled requests force ignore_eos and get a seed each")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus sampling of sampled requests (T > 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="sampled requests' seeds: seed * 100003 + prompt index")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="write the table as JSON")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if min(args.temperatures) < 0 or not 0 < args.top_p <= 1:
+        parser.error("--temperature: at least 0; --top-p: in (0, 1]")
+    args.temperatures = list(dict.fromkeys(args.temperatures))
+    return args
+
+
+def column_name(method: str, temperature: float) -> str:
+    """A method's column: its name, plus the temperature when sampled.
+
+    >>> column_name("esp", 0.0), column_name("esp", 0.7)
+    ('esp', 'esp T0.7')
+    """
+    return f"{method} {temperature_label(temperature)}" if temperature else method
+
+
+def sampling_params_for(decoding, num_prompts: int):
+    """One SamplingParams for every prompt (greedy, as always), or one per
+    prompt with its seed (sampled)."""
+    from vllm import SamplingParams
+
+    if not decoding.sampled:
+        return SamplingParams(**decoding.request_options())
+    return [SamplingParams(**decoding.request_options(i)) for i in range(num_prompts)]
 
 
 def main(argv=None) -> int:
@@ -214,6 +254,7 @@ def main(argv=None) -> int:
     from vllm import SamplingParams
 
     from benchmarks.methods import resolve
+    from benchmarks.metrics import Decoding
     from vllm_esp_dev.data import chat_prompt_ids, load_questions_or_exit, select_questions
     from vllm_esp_dev.models import model_path
     from vllm_esp_dev.runs import generate, make_llm, shutdown, warm_up
@@ -223,28 +264,41 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = [chat_prompt_ids(tokenizer, q) for q in
                select_questions(questions, args.per_category, skip=args.skip_per_category)]
-    sampling_params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     methods = [m for m in resolve(args.methods) if m.name in args.methods]
     table: dict[str, list[dict[str, float]]] = {}
-    for round_index in range(args.rounds):
+    for temperature, round_index in ((t, r) for t in args.temperatures
+                                     for r in range(args.rounds)):
+        decoding = Decoding.for_temperature(temperature, args.max_tokens, False, args.top_p,
+                                            args.seed)
+        sampling_params = sampling_params_for(decoding, len(prompts))
         for method in methods if round_index % 2 == 0 else methods[::-1]:
-            llm = make_llm(path, method.speculative_config, max_num_seqs=args.batch_size)
+            column = column_name(method.name, temperature)
+            llm = make_llm(path, method.speculative_config, max_num_seqs=args.batch_size,
+                           dtype=args.dtype)
             try:
                 core = llm.llm_engine.engine_core.engine_core
                 timers = instrument(core.model_executor.driver_worker.worker.model_runner)
                 instrument_engine(timers, llm.llm_engine)
                 warm_up(llm, prompts[0][:32])
+                if decoding.sampled:  # the sampled path's first calls, untimed too
+                    generate(llm, [prompts[0][:32]], SamplingParams(
+                        **{**decoding.request_options(), "max_tokens": 8}))
                 timers.counting = True
-                run = generate(llm, prompts, sampling_params, label=method.name)
+                run = generate(llm, prompts, sampling_params, label=column)
             finally:
                 shutdown(llm)
             figures = timers.per_step_ms()
             figures["steps with drafts"] = timers.num_steps
             figures["tokens/s"] = sum(len(t) for t in run.token_ids) / run.seconds
-            table.setdefault(method.name, []).append(figures)
-            print(f"{method.name} round {round_index + 1}: "
+            table.setdefault(column, []).append(figures)
+            print(f"{column} round {round_index + 1}: "
                   f"{json.dumps({k: round(v, 3) for k, v in figures.items()})}", flush=True)
     phases = list(dict.fromkeys(p for rounds in table.values() for r in rounds for p in r))
+    sampled = [t for t in args.temperatures if t]
+    print(f"\n{args.model}, {args.dtype}, batch {args.batch_size}, {args.max_tokens} tokens; "
+          + ("greedy" if not sampled else
+             f"sampled columns (T): top-p {args.top_p:g}, ignore_eos, a seed per request")
+          + "\n")
     print("| phase (ms per step with drafts; rows: per step) | "
           + " | ".join(table) + " |\n|---|" + "---|" * len(table))
     for phase in phases:

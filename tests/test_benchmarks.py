@@ -1221,3 +1221,54 @@ def test_spec_bench_sampled_run_end_to_end_without_engines(monkeypatch, tmp_path
     assert spec_bench.main(argv[:-1] + [str(tmp_path / "out2")]) == 1
     assert "GREEDY OUTPUT MISMATCH: esp [offline-b2]" in capsys.readouterr().out
 
+
+def test_step_cost_labels_temperature_and_dtype():
+    from benchmarks.step_cost import parse_args, profile_tables, ratio_table, render_markdown
+
+    def cell(method, temperature, seconds):
+        return {"method": method, "batch": 8, "context": 128, "rows": 10,
+                "temperature": temperature, "median_seconds": seconds,
+                "median_scheduled_tokens": 80, "mean_context": 130.0}
+
+    cells = [cell("chain", 0.0, 0.25), cell("esp", 0.0, 0.23),
+             cell("chain", 0.7, 0.30), cell("esp", 0.7, 0.24)]
+    table = ratio_table(cells)
+    assert [(r["temperature"], round(r["esp_vs_chain"], 3)) for r in table] == [
+        (0.0, 0.92), (0.7, 0.8)]
+    meta = {"date": "d", "command": "c", "commit": "x", "machine": "m",
+            "args": {"model": "smollm2-135m", "dtype": "bfloat16",
+                     "temperatures": [0.0, 0.7], "top_p": 1.0}}
+    text = render_markdown({"meta": meta, "cells": cells})
+    assert "dtype bfloat16" in text and "greedy and sampled at temperature 0.7" in text
+    assert "| T | batch |" in text
+    assert "| 0.7 | 8 | 128 | 10 | 0.80x |" in text
+    assert "| 0 | 8 | 128 | 10 | 0.92x |" in text
+    # Greedy-only cells (and cells from before temperatures) keep the old table.
+    greedy = [{k: v for k, v in c.items() if k != "temperature"} for c in cells[:2]]
+    assert "| T |" not in render_markdown({"meta": meta, "cells": greedy})
+    profile = {"method": "esp", "batch": 4, "context": 256, "rows": 4, "steps": 1,
+               "seconds": {"other": 0.1}, "temperature": 0.7}
+    assert ("## Where a step goes: batch 4, context 256, 4 rows, temperature 0.7"
+            in profile_tables([profile]))
+    args = parse_args(["--dtype", "bfloat16", "--temperature", "0", "1"])
+    assert (args.dtype, args.temperatures, args.top_p) == ("bfloat16", [0.0, 1.0], 1.0)
+    with pytest.raises(SystemExit):
+        parse_args(["--temperature", "-0.5"])
+
+
+def test_step_phases_sampling_options():
+    from benchmarks import step_phases
+
+    args = step_phases.parse_args(["--temperature", "0", "0.7", "--dtype", "bfloat16",
+                                   "--top-p", "0.8"])
+    assert (args.temperatures, args.dtype, args.top_p, args.seed) == (
+        [0.0, 0.7], "bfloat16", 0.8, 0)
+    assert step_phases.parse_args([]).temperatures == [0.0]
+    assert step_phases.column_name("esp", 0.0) == "esp"
+    assert step_phases.column_name("esp-chain", 0.7) == "esp-chain T0.7"
+    params = step_phases.sampling_params_for(
+        Decoding.for_temperature(0.7, 16, top_p=0.8, seed=1), 3)
+    assert [p.seed for p in params] == [100003, 100004, 100005]
+    assert all(p.ignore_eos and p.top_p == 0.8 for p in params)
+    greedy = step_phases.sampling_params_for(Decoding.for_temperature(0.0, 16), 3)
+    assert greedy.temperature == 0.0 and not greedy.ignore_eos and greedy.seed is None
