@@ -12,8 +12,8 @@ table with tokens/s and tau (mean tokens per verification step, from vLLM's
 own spec-decode counters) and whether the outputs are token-identical, which
 greedy ESP must guarantee. Quote speed as the ratio from one run.
 
-By default it prints nothing else: vLLM's start-up notices, Python's
-warnings and everything vLLM's engine processes write go to a temporary
+By default it prints nothing else: vLLM logs errors only, Python's warnings
+are ignored, and whatever vLLM's engine processes write goes to a temporary
 log (``quiet_output``), which is printed if the run fails. ``--verbose``
 shows it all as it comes.
 """
