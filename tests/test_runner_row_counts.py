@@ -15,7 +15,7 @@ from vllm_esp.runner import ESPModelRunnerMixin
 
 
 def counter():
-    runner = SimpleNamespace(_esp_decode_request_steps=0, _esp_decode_rows=0)
+    runner = SimpleNamespace(_esp_decode_request_steps=0, _esp_decode_rows=0, _esp_walk_steps=0)
     count = ESPModelRunnerMixin._count_decode_rows.__get__(runner)
     rows = ESPModelRunnerMixin.esp_row_counts.__get__(runner)
     return count, rows
@@ -31,7 +31,7 @@ def test_decode_only_step_counts_every_request_and_row():
     count, rows = counter()
     # a: a 6-row block (root + 5 draft slots); b: a plain step.
     assert count(step({"a": 6, "b": 1}, {"a": [1, 2, 3, 4, 5]})) == 7
-    assert rows() == {"decode_request_steps": 2, "rows": 7}
+    assert rows() == {"decode_request_steps": 2, "rows": 7, "walk_steps": 0}
 
 
 def test_prefill_chunk_is_not_a_decode_row():
@@ -40,15 +40,15 @@ def test_prefill_chunk_is_not_a_decode_row():
     # step is not decode-only (0: the cost model skips it), and only a and
     # b count.
     assert count(step({"a": 3, "b": 1, "c": 40}, {"a": [7, 8]})) == 0
-    assert rows() == {"decode_request_steps": 2, "rows": 4}
+    assert rows() == {"decode_request_steps": 2, "rows": 4, "walk_steps": 0}
     count(step({"a": 1}, {}))
-    assert rows() == {"decode_request_steps": 3, "rows": 5}
+    assert rows() == {"decode_request_steps": 3, "rows": 5, "walk_steps": 0}
 
 
 def test_empty_step_counts_nothing():
     count, rows = counter()
     assert count(step({}, {})) == 0
-    assert rows() == {"decode_request_steps": 0, "rows": 0}
+    assert rows() == {"decode_request_steps": 0, "rows": 0, "walk_steps": 0}
 
 
 def test_step_cost_profile_times_the_lm_head_over_every_row():
