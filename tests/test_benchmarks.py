@@ -874,7 +874,7 @@ def test_step_phases_count_mask_rows_and_drafts_by_source():
         SOURCE_CORPUS,
         SOURCE_ESP,
         SOURCE_LOOKUP,
-        AcceptanceCalibration,
+        SamplingCalibration,
     )
     from vllm_esp.proposer import AutoStats, ESPProposer
 
@@ -882,7 +882,8 @@ def test_step_phases_count_mask_rows_and_drafts_by_source():
         observe_verification = ESPProposer.observe_verification
 
         def __init__(self):
-            self.calibration = AcceptanceCalibration()
+            self.calibration = SamplingCalibration(0.1)
+            self.sampling_band = np.zeros(1, np.int64)
             self.cost_model = None
             self.stats = AutoStats()
 
@@ -900,7 +901,7 @@ def test_step_phases_count_mask_rows_and_drafts_by_source():
     timers.counting = timers.spec_step = True
     # The chain root -> e1 -> c1, e1 accepted.
     runner.drafter.observe_verification(trees, np.array([[0, 1, 2]]), np.array([1]),
-                                        np.array([True]))
+                                        np.array([True]), np.array([0]))
     timers.end_step()
     # The log line's own counts still ran.
     assert runner.drafter.stats.mask_rows == 2

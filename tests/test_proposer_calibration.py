@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """``ESPProposer.observe_verification``: one step's verified blocks reach
 both calibrations, the sources' acceptance and the mask rows' value, at
-the price the cost model gives a row (on a hand-built batch, no engine)."""
+the price the cost model gives a row, each in its request's sampling band
+(on a hand-built batch, no engine)."""
 
 from __future__ import annotations
 
@@ -14,18 +15,30 @@ from vllm_esp.core.batch import TreeBatch
 from vllm_esp.core.goodput import (
     SOURCE_ESP,
     SOURCE_LOOKUP,
-    AcceptanceCalibration,
-    MaskValueCalibration,
+    NUM_SAMPLING_BANDS,
+    SamplingCalibration,
     StepCostModel,
+    sampling_bands,
 )
 from vllm_esp.proposer import AutoStats, ESPProposer
 
 
-def proposer(cost_model: StepCostModel | None):
-    state = SimpleNamespace(calibration=AcceptanceCalibration(),
-                            mask_calibration=MaskValueCalibration(0.1),
+def proposer(cost_model: StepCostModel | None, temperatures=(0.0, 0.0)):
+    """An observer of two blocks, in slots 0 and 1, of requests sampling at
+    ``temperatures``; ``state.calibration`` and ``state.mask_calibration``
+    are the greedy band's."""
+    state = SimpleNamespace(calibration=SamplingCalibration(0.1),
+                            sampling_band=sampling_bands(np.array(temperatures)),
                             cost_model=cost_model, stats=AutoStats())
-    return state, ESPProposer.observe_verification.__get__(state)
+    observe_verification = ESPProposer.observe_verification.__get__(state)
+
+    def observe(trees, chains, accepted, probed):
+        observe_verification(trees, chains, accepted, probed, np.array([0, 1]))
+
+    greedy = SimpleNamespace(calibration=state.calibration.acceptance[0],
+                             mask_calibration=state.calibration.mask[0],
+                             stats=state.stats, calibration_bands=state.calibration)
+    return greedy, observe
 
 
 def two_blocks() -> tuple[TreeBatch, np.ndarray]:
@@ -90,7 +103,8 @@ def test_the_periodic_log_counts_mask_rows_and_drafts_by_source(caplog):
     # Step 2: nothing accepted.
     observe(trees, chains, np.array([0, 0]), probed=np.array([False, False]))
     with caplog.at_level("INFO", logger="vllm.esp"):
-        state.stats.step(10, state)
+        state.stats.step(10, SimpleNamespace(calibration=state.calibration_bands,
+                                             cost_model=None))
     message = caplog.records[-1].getMessage()
     # Two steps of the two blocks: 4 blocks of (8 + 2) / 2 = 5 rows, of
     # which 2 x 4 are mask rows; ESP drafted e1 and e2 twice (e1 accepted
@@ -100,7 +114,62 @@ def test_the_periodic_log_counts_mask_rows_and_drafts_by_source(caplog):
     # The counts start again after each log line.
     with caplog.at_level("INFO", logger="vllm.esp"):
         observe(trees, chains, np.array([2, 0]), probed=np.array([True, False]))
-        state.stats.step(10, state)
+        state.stats.step(10, SimpleNamespace(calibration=state.calibration_bands,
+                                             cost_model=None))
     message = caplog.records[-1].getMessage()
     assert "1 steps" in message and "(4 mask rows)" in message
     assert "by source: esp 2/2, lookup 0/2, cached answers 0/0;" in message
+
+
+def test_each_sampling_band_is_calibrated_apart():
+    """A greedy request's block and a block sampled at T = 0.7 in one step:
+    the lookup draft of the sampled block (accepted) and the ESP drafts of
+    the greedy one (one accepted) land in their own bands' calibrations;
+    the other bands stay at their priors, and the log shows the two
+    observed bands."""
+    state, observe = proposer(StepCostModel(fixed=0.002, per_row=0.001),
+                              temperatures=(0.0, 0.7))
+    bands = state.calibration_bands
+    trees, chains = two_blocks()
+    observe(trees, chains, np.array([1, 1]), probed=np.array([True, False]))
+    sampled = int(sampling_bands(np.array([0.7]))[0])
+    assert sampled != 0
+    greedy_cal, sampled_cal = bands.acceptance[0], bands.acceptance[sampled]
+    # Greedy block: e1, e2 (ESP) and l1 (lookup) drafted, e1 accepted.
+    assert greedy_cal.predicted[SOURCE_ESP].sum() == pytest.approx(0.9)
+    assert greedy_cal.predicted[SOURCE_LOOKUP].sum() == pytest.approx(0.2)
+    assert greedy_cal.accepted[SOURCE_LOOKUP].sum() == 0.0
+    # Sampled block: l2 drafted and accepted, no ESP drafts.
+    assert sampled_cal.predicted[SOURCE_LOOKUP].sum() == pytest.approx(0.5)
+    assert sampled_cal.accepted[SOURCE_LOOKUP].sum() == pytest.approx(1.0)
+    assert sampled_cal.predicted[SOURCE_ESP].sum() == 0.0
+    # Only the greedy block was probed: the sampled band's mask value has
+    # seen no seeded block.
+    assert bands.mask[0].seeded == pytest.approx(1.0)
+    assert bands.mask[sampled].seeded == 0.0
+    others = [band for band in range(NUM_SAMPLING_BANDS) if band not in (0, sampled)]
+    for band in others:
+        assert bands.acceptance[band].predicted.sum() == 0.0
+        assert (bands.scales[band] == 1.0).all()
+    assert bands.observed_bands() == [0, sampled]
+    assert bands.scales[sampled, SOURCE_LOOKUP].max() > 1.0
+    assert bands.scales[0, SOURCE_LOOKUP].min() < 1.0
+
+
+def test_the_periodic_log_shows_each_observed_band(caplog):
+    state, observe = proposer(StepCostModel(fixed=0.002, per_row=0.001),
+                              temperatures=(0.0, 1.0))
+    state.stats.interval = 0.0
+    trees, chains = two_blocks()
+    observe(trees, chains, np.array([1, 1]), probed=np.array([True, False]))
+    with caplog.at_level("INFO", logger="vllm.esp"):
+        state.stats.step(10, SimpleNamespace(calibration=state.calibration_bands,
+                                             cost_model=None))
+    message = caplog.records[-1].getMessage()
+    assert "greedy: esp x" in message and "T>=0.9: esp x" in message
+    assert "T<0.5" not in message and "T 0.5-0.9" not in message
+
+
+def test_sampling_bands_follow_vllm_greedy_threshold():
+    assert sampling_bands(np.array([0.0, 1e-6, 0.3, 0.5, 0.7, 0.9, 1.0, 1.5])).tolist() == [
+        0, 0, 1, 2, 2, 3, 3, 3]

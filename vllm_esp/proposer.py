@@ -52,11 +52,12 @@ from vllm_esp.core.goodput import (
     SOURCE_CORPUS,
     SOURCE_ESP,
     SOURCE_LOOKUP,
-    AcceptanceCalibration,
-    MaskValueCalibration,
+    SamplingCalibration,
     StepBudget,
     StepCostModel,
     reach_band_labels,
+    sampling_band_labels,
+    sampling_bands,
 )
 from vllm_esp.core.hybrid import MASK_VALUE, AnswerPools
 from vllm_esp.core.mask_embedding import (
@@ -144,12 +145,14 @@ class AutoStats:
             return
         self._last = now
         cost = proposer.cost_model
-        scales = proposer.calibration.scales
+        calibration = proposer.calibration
+        scales, mask_values = calibration.scales, calibration.mask_values
+        band_names = sampling_band_labels()
         logger.info(
             "ESP: %d steps, %.1f rows per step; %d blocks of %.1f rows (%d mask "
             "rows), %.2f accepted per block; drafts accepted/drafted by source: "
             "esp %s, lookup %s, cached answers %s%s; calibration by estimated "
-            "reach %s: esp x%s, lookup x%s, cached answers x%s; mask rows' value %.3f",
+            "reach %s: %s",
             self.num_steps, self.num_rows / max(self.num_steps, 1), self.num_blocks,
             self.block_rows / max(self.num_blocks, 1), self.mask_rows,
             self.accepted / max(self.num_blocks, 1),
@@ -159,10 +162,14 @@ class AutoStats:
             f"; step cost {cost.fixed * 1e3:.1f} ms + {cost.per_request * 1e3:.2f} ms/request"
             f" + {cost.per_row * 1e3:.2f} ms/row",
             "/".join(reach_band_labels()),
-            "/".join(f"{v:.2f}" for v in scales[SOURCE_ESP]),
-            "/".join(f"{v:.2f}" for v in scales[SOURCE_LOOKUP]),
-            "/".join(f"{v:.2f}" for v in scales[SOURCE_CORPUS]),
-            proposer.mask_calibration.value)
+            "; ".join(
+                f"{band_names[band]}: esp x"
+                + "/".join(f"{v:.2f}" for v in scales[band, SOURCE_ESP])
+                + ", lookup x" + "/".join(f"{v:.2f}" for v in scales[band, SOURCE_LOOKUP])
+                + ", cached answers x"
+                + "/".join(f"{v:.2f}" for v in scales[band, SOURCE_CORPUS])
+                + f", mask rows' value {mask_values[band]:.3f}"
+                for band in calibration.observed_bands()) or "no drafts yet")
         self._reset()
 
 
@@ -177,6 +184,14 @@ def has_sampling_param(request, name: str) -> bool:
 # the ESP scheduler copies it into the request's sampling params under this
 # key (``ESPScheduler.add_request``), and the proposer reads it there.
 CACHE_SALT_ARG = "vllm_esp.cache_salt"
+
+
+def request_sampling_band(request) -> int:
+    """The calibration band of how ``request`` samples (greedy for requests
+    without sampling params)."""
+    params = getattr(request, "sampling_params", None)
+    temperature = getattr(params, "temperature", None)
+    return int(sampling_bands(np.array([0.0 if temperature is None else temperature]))[0])
 
 
 def request_cache_salt(request) -> str | None:
@@ -229,12 +244,14 @@ class ESPProposer:
         # sampler draws per draft token, so drafts from other requests'
         # answers would change a seeded request's tokens from run to run.
         self.seeded = np.zeros(slots, np.bool_)
+        # How each request samples (core.goodput.sampling_bands): the
+        # calibration it is estimated and observed with.
+        self.sampling_band = np.zeros(slots, np.int64)
         # 'auto' block complexity: the step-cost model (set by the runner
         # from its start-up profile) and the sources' calibration.
         self.auto = config.auto
         self.cost_model: StepCostModel | None = None
-        self.calibration = AcceptanceCalibration()
-        self.mask_calibration = MaskValueCalibration(MASK_VALUE)
+        self.calibration = SamplingCalibration(MASK_VALUE)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.max_step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.stats = AutoStats()
@@ -289,6 +306,7 @@ class ESPProposer:
                 request = self.runner.requests[req_id]
                 self.structured[slot] = has_sampling_param(request, "structured_outputs")
                 self.seeded[slot] = has_sampling_param(request, "seed")
+                self.sampling_band[slot] = request_sampling_band(request)
                 self.cache_salts[slot] = request_cache_salt(request)
                 self.no_block[slot] = self.structured[slot]
                 # A prompt given as embeddings has no token ids to look up.
@@ -302,7 +320,8 @@ class ESPProposer:
         old = self.max_slots
         self.max_slots = new = 2 * old
         for name in ("cand_tokens", "cand_log_probs", "has_candidates", "initialized",
-                     "num_folded", "history_starts", "structured", "no_block", "seeded"):
+                     "num_folded", "history_starts", "structured", "no_block", "seeded",
+                     "sampling_band"):
             array = getattr(self, name)
             grown = np.zeros((new,) + array.shape[1:], array.dtype)
             grown[:old] = array
@@ -410,7 +429,8 @@ class ESPProposer:
             self.cand_tokens[active_slots], self.cand_log_probs[active_slots],
             self.has_candidates[active_slots], num_requests=len(req_ids),
             corpus_rows=~self.seeded[active_slots],
-            salts=[self.cache_salts[slot] for slot in active_slots])
+            salts=[self.cache_salts[slot] for slot in active_slots],
+            bands=self.sampling_band[active_slots])
         pending = self.pending
         width = trees.parents.shape[1]
         pending.parents[active_slots, :width] = trees.parents
@@ -438,10 +458,12 @@ class ESPProposer:
                        ends: np.ndarray, cand_tokens: np.ndarray,
                        cand_log_probs: np.ndarray, has_candidates: np.ndarray,
                        num_requests: int, corpus_rows: np.ndarray | None = None,
-                       salts: list[str | None] | None = None) -> TreeBatch:
+                       salts: list[str | None] | None = None,
+                       bands: np.ndarray | None = None) -> TreeBatch:
         """Trees for the input batch's ``rows`` (histories end at ``ends``);
         lookup searches earlier answers too where ``corpus_rows``: those of
-        requests with the same cache salt (``salts``; None: unsalted)."""
+        requests with the same cache salt (``salts``; None: unsalted);
+        ``bands``: how each samples (None: greedy)."""
         token_ids = self.runner.input_batch.token_ids_cpu
         corpus, starts, ends_in_corpus = self.answer_cache.corpus(
             [None] * rows.shape[0] if salts is None else salts)
@@ -455,21 +477,25 @@ class ESPProposer:
             token_ids[rows, ends - 1].astype(np.int64),
             cand_tokens, cand_log_probs, has_candidates,
             self.runner.model_config.get_vocab_size(),
-            row_caps=self.max_model_len - ends, budget=self._step_budget(num_requests),
+            row_caps=self.max_model_len - ends,
+            budget=self._step_budget(num_requests, bands),
             corpus=corpus, corpus_spans=(starts, ends_in_corpus))
 
-    def _step_budget(self, num_requests: int) -> StepBudget | None:
+    def _step_budget(self, num_requests: int, bands: np.ndarray | None = None
+                     ) -> StepBudget | None:
         if not self.auto or self.cost_model is None:
             return None
         # The step's requests are given; only its rows are chosen.
         return StepBudget(self.cost_model.seconds(0, num_requests), self.cost_model.per_row,
                           base_rows=num_requests, max_total_rows=self.max_step_tokens,
                           scales=self.calibration.scales,
-                          mask_value=self.mask_calibration.value)
+                          mask_value=self.calibration.mask_values, bands=bands)
 
     def observe_verification(self, trees: TreeBatch, chains: np.ndarray,
-                             accepted: np.ndarray, probed: np.ndarray) -> None:
-        """Calibrate the estimates on one step's verified blocks: every
+                             accepted: np.ndarray, probed: np.ndarray,
+                             slots: np.ndarray) -> None:
+        """Calibrate the estimates on one step's verified blocks (of the
+        requests in ``slots``), each in its request's sampling band: every
         drafted node and whether it was on the accepted path (the sources'
         acceptance), and what ESP's drafts earned against what their rows
         cost (the mask rows' value). ``probed[i]``: block ``i``'s last
@@ -477,18 +503,26 @@ class ESPProposer:
         if trees.reach is None:
             return
         drafted, on_path = trees.verification_outcomes(chains, accepted)
-        self.calibration.observe(trees.sources[drafted].astype(np.int64),
-                                 trees.reach[drafted].astype(np.float64),
-                                 on_path[drafted])
         block_sizes = trees.block_sizes()
+        price = None
         if self.cost_model is not None and trees.num_mask_tokens > 0:
             has_block = trees.num_nodes > 0
             requests = int(has_block.sum())
             price = self.cost_model.row_price(int(block_sizes.sum()), requests,
                                               requests + int(accepted[has_block].sum()))
-            esp = drafted & (trees.sources == SOURCE_ESP)
-            self.mask_calibration.observe(int(probed.sum()), int((esp & on_path).sum()),
-                                          int(esp.sum()), price)
+        esp = drafted & (trees.sources == SOURCE_ESP)
+        bands = self.sampling_band[slots]
+        for band in np.unique(bands):
+            blocks = bands == band
+            band_drafted = drafted[blocks]
+            self.calibration.acceptance[band].observe(
+                trees.sources[blocks][band_drafted].astype(np.int64),
+                trees.reach[blocks][band_drafted].astype(np.float64),
+                on_path[blocks][band_drafted])
+            if price is not None:
+                self.calibration.mask[band].observe(
+                    int(probed[blocks].sum()), int((esp & on_path)[blocks].sum()),
+                    int(esp[blocks].sum()), price)
         self.stats.blocks(block_sizes, accepted, trees.num_nodes,
                           trees.sources[drafted], trees.sources[on_path])
 

@@ -509,7 +509,7 @@ class ESPModelRunnerMixin:
         # the request's next ESP candidates.
         probe_rows = step.layouts.mask_rows[np.arange(step.num_blocks), last_node, :k]
         probed = probe_rows[:, 0] >= 0 if k else np.zeros(step.num_blocks, np.bool_)
-        self.drafter.observe_verification(step.trees, chains, accepted, probed)
+        self.drafter.observe_verification(step.trees, chains, accepted, probed, step.slots)
         if not probed.any():
             return
         with scope("esp: mask probe"):

@@ -495,3 +495,34 @@ def test_layout_depths_follow_the_parents():
             parent = int(trees.parents[i, t])
             assert depths[i, t] == (0 if parent < 0 else depths[i, parent] + 1)
     assert depths.max() >= 2
+
+
+def test_each_request_is_allocated_with_its_sampling_bands_calibration():
+    """Two batches of the same four requests, the second with requests 2
+    and 3 sampling hot: where the hot band's calibration halves lookup's
+    estimates and values masks at 0, those two get fewer rows, the greedy
+    two keep at least their rows (all four got the same rows while greedy)."""
+    from vllm_esp.core.goodput import NUM_SAMPLING_BANDS
+
+    config = ESPConfig.from_dict({})
+    proposer = TreeProposer(config)
+    inputs = _proposer_inputs(4, seed=5, context=4)
+    cost = dict(fixed_cost=1.0, cost_per_row=0.02, base_rows=4)
+    scales = np.ones((NUM_SAMPLING_BANDS, NUM_SOURCES, NUM_REACH_BUCKETS))
+    hot = NUM_SAMPLING_BANDS - 1
+    scales[hot, SOURCE_LOOKUP] = 0.5
+    scales[hot, SOURCE_ESP] = 0.5
+    mask_values = np.full(NUM_SAMPLING_BANDS, 0.1)
+    mask_values[hot] = 0.0
+    greedy = proposer.propose(**inputs, budget=StepBudget(
+        **cost, scales=scales, mask_value=mask_values, bands=np.zeros(4, np.int64)))
+    mixed = proposer.propose(**inputs, budget=StepBudget(
+        **cost, scales=scales, mask_value=mask_values, bands=np.array([0, 0, hot, hot])))
+    caps = np.full(4, config.block_size)
+    greedy_rows, mixed_rows = _check_trees(greedy, caps), _check_trees(mixed, caps)
+    assert len(set(greedy_rows.tolist())) == 1
+    assert (mixed_rows[2:] < greedy_rows[2:]).all()
+    # The rows the hot requests gave up went to the greedy ones, or nowhere.
+    assert (mixed_rows[:2] >= greedy_rows[:2]).all()
+    # No masks where they are worth nothing.
+    assert not mixed.masked[2:].any() and greedy.masked.any()

@@ -41,6 +41,7 @@ from numba import njit
 from vllm_esp.config import ESPConfig
 from vllm_esp.core.goodput import (
     NUM_REACH_BUCKETS,
+    NUM_SAMPLING_BANDS,
     NUM_SOURCES,
     REACH_EDGES,
     SOURCE_ESP,
@@ -325,8 +326,8 @@ def hybrid_tree(params: HybridParams, history: np.ndarray, root_token: int,
 def propose_batch_kernel(mode, histories, history_rows, history_starts, history_ends,
                          corpus, corpus_starts, corpus_ends, roots, has_candidates, cand_tokens,
                          cand_log_probs, vocab_size, widths, node_budget, block_sizes, num_mask_tokens, use_esp,
-                         use_lookup, esp_log_weight, log_scales, lookup_accept,
-                         mask_value, max_chains, capacity, root_alone,
+                         use_lookup, esp_log_weight, log_scales, bands, lookup_accept,
+                         mask_values, max_chains, capacity, root_alone,
                          placeholder_parents, out_parents, out_tokens, out_masked,
                          out_num_nodes, out_gains, out_num_gains, out_reach, out_sources):
     """Next trees of ``roots.shape[0]`` requests; request ``i``'s history
@@ -335,7 +336,8 @@ def propose_batch_kernel(mode, histories, history_rows, history_starts, history_
     ``corpus[corpus_starts[i]:corpus_ends[i]]``)
     and its block has at most ``block_sizes[i]`` rows (hybrid mode; the
     other modes have a fixed shape and give no block where it does not
-    fit)."""
+    fit). Its calibration is ``log_scales[bands[i]]`` and its mask rows'
+    value ``mask_values[i]``."""
     parents = np.empty(capacity, np.int64)
     tokens = np.empty(capacity, np.int64)
     scores = np.empty(capacity, np.float32)
@@ -363,8 +365,8 @@ def propose_batch_kernel(mode, histories, history_rows, history_starts, history_
             size = hybrid_tree_kernel(history, corpus_size, roots[i], has_candidates[i],
                                       cand_tokens[i], cand_log_probs[i], vocab_size,
                                       block_sizes[i], num_mask_tokens, use_esp,
-                                      use_lookup, esp_log_weight, log_scales,
-                                      lookup_accept, mask_value, max_chains, capacity,
+                                      use_lookup, esp_log_weight, log_scales[bands[i]],
+                                      lookup_accept, mask_values[i], max_chains, capacity,
                                       root_alone_here, parents, tokens, masked, gains,
                                       reach, sources)
             rows = size
@@ -482,9 +484,7 @@ class TreeProposer:
         caps = np.full(batch, block_size, np.int64)
         if row_caps is not None:
             np.minimum(caps, row_caps, out=caps)
-        log_scales = np.zeros((NUM_SOURCES, NUM_REACH_BUCKETS))
-        if budget is not None and budget.scales is not None:
-            log_scales = np.log(np.maximum(np.asarray(budget.scales, np.float64), 1e-6))
+        log_scales, bands, mask_values = self._calibration(budget, batch)
         corpus = np.asarray(corpus if corpus is not None else (), histories.dtype)
         if corpus_spans is not None:
             corpus_starts, corpus_ends = (np.asarray(a, np.int64) for a in corpus_spans)
@@ -495,20 +495,38 @@ class TreeProposer:
                 corpus_ends[~np.asarray(corpus_rows, np.bool_)] = 0
         args = (histories, history_rows, history_starts, history_ends, corpus,
                 corpus_starts, corpus_ends, roots,
-                has_candidates, cand_tokens, cand_log_probs, vocab_size, log_scales, out)
-        mask_value = self.hybrid.mask_value
-        if budget is not None and budget.mask_value is not None:
-            mask_value = budget.mask_value
-        gains, num_gains = self._run(caps, mask_value, *args)
+                has_candidates, cand_tokens, cand_log_probs, vocab_size, log_scales, bands,
+                mask_values, out)
+        gains, num_gains = self._run(caps, *args)
         if self.auto and budget is not None:
             extra = allocate_rows(gains, num_gains, budget.base_rows, budget.fixed_cost,
                                   budget.cost_per_row, budget.max_total_rows)
-            self._run(np.minimum(caps, 1 + extra), mask_value, *args)
+            self._run(np.minimum(caps, 1 + extra), *args)
         return out
 
-    def _run(self, block_sizes, mask_value, histories, history_rows, history_starts, history_ends,
+    def _calibration(self, budget: StepBudget | None, batch: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The budget's calibration as the kernel takes it: log scales
+        ``[NUM_SAMPLING_BANDS, NUM_SOURCES, NUM_REACH_BUCKETS]``, each
+        request's band, and each request's mask rows' value."""
+        bands = np.zeros(batch, np.int64)
+        if budget is not None and budget.bands is not None:
+            bands = np.asarray(budget.bands, np.int64)
+        scales = np.ones((NUM_SOURCES, NUM_REACH_BUCKETS))
+        if budget is not None and budget.scales is not None:
+            scales = np.asarray(budget.scales, np.float64)
+        if scales.ndim == 2:  # one calibration for every band
+            scales = np.broadcast_to(scales, (NUM_SAMPLING_BANDS,) + scales.shape)
+        mask_value = self.hybrid.mask_value
+        if budget is not None and budget.mask_value is not None:
+            mask_value = budget.mask_value
+        mask_values = np.broadcast_to(np.asarray(mask_value, np.float64),
+                                      (NUM_SAMPLING_BANDS,))[bands]
+        return np.log(np.maximum(scales, 1e-6)), bands, mask_values
+
+    def _run(self, block_sizes, histories, history_rows, history_starts, history_ends,
              corpus, corpus_starts, corpus_ends, roots, has_candidates, cand_tokens, cand_log_probs,
-             vocab_size, log_scales, out):
+             vocab_size, log_scales, bands, mask_values, out):
         hybrid = self.hybrid
         batch = roots.shape[0]
         gains = np.zeros((batch, max(hybrid.block_size - 1, 1)), np.float64)
@@ -519,7 +537,7 @@ class TreeProposer:
             has_candidates, cand_tokens, cand_log_probs, vocab_size, self.widths,
             self.node_budget, block_sizes, hybrid.num_mask_tokens,
             hybrid.use_esp, hybrid.use_lookup,
-            hybrid.esp_log_weight, log_scales, hybrid.lookup_accept, mask_value,
+            hybrid.esp_log_weight, log_scales, bands, hybrid.lookup_accept, mask_values,
             hybrid.max_chains, self.capacity, self.auto, self.placeholder_parents,
             out.parents, out.tokens, out.masked, out.num_nodes, gains, num_gains,
             out.reach, out.sources)

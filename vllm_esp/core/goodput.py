@@ -23,7 +23,8 @@ hardware-aware tree size):
   ``(requests + sum of gains) / t(rows)``. A request may get no extra row
   (a plain decoding step), and so may the whole batch.
 * **Calibration.** :class:`AcceptanceCalibration` scales the estimates of
-  each candidate source in each band of estimated reach (below 0.1, 0.1 to
+  each candidate source, for each band of temperature
+  (:func:`sampling_bands`), in each band of estimated reach (below 0.1, 0.1 to
   0.2, 0.2 to 0.35, 0.35 to 0.55, above) by how often such drafts were
   really accepted, so the priors only matter for the first steps. Bands of
   reach, not of depth: the rows the allocation weighs last are the ones
@@ -31,6 +32,11 @@ hardware-aware tree size):
   Spec-Bench questions 3-4 at batch 4: lookup nodes estimated at 0.1 to
   0.2 were accepted 0.66x as often as estimated, those above 0.2 about
   0.93x, at every depth; docs/results.md, "The cost model's slope".)
+  Bands of temperature, because a sampled request accepts a draft with the
+  target's probability of its token, not whenever it is the argmax: the
+  same lookup chain is worth less the hotter a request samples, and one
+  estimate pooled over greedy and sampled requests bought rows for sampled
+  requests that did not pay (issue 48: 0.92x plain at batch 8, T = 0.7).
 
 Worked example: 2 requests, cost ``t(R) = 1 + 0.1 R``; request 0's gains
 ``[.9, .5, .05]``, request 1's ``[.3]``::
@@ -57,7 +63,9 @@ import numpy as np
 from numba import njit
 
 __all__ = ["StepCostModel", "AcceptanceCalibration", "MaskValueCalibration", "StepBudget",
-           "allocate_rows",
+           "SamplingCalibration",
+           "allocate_rows", "sampling_bands", "sampling_band_labels", "NUM_SAMPLING_BANDS",
+           "GREEDY_BAND",
            "SOURCE_ESP", "SOURCE_LOOKUP", "SOURCE_CORPUS", "NUM_SOURCES", "REACH_EDGES",
            "NUM_REACH_BUCKETS", "reach_buckets", "reach_band_labels"]
 
@@ -71,6 +79,30 @@ NUM_SOURCES = 3
 # The compiled proposal kernels bucket with the same array and call.
 REACH_EDGES = np.array([0.1, 0.2, 0.35, 0.55])
 NUM_REACH_BUCKETS = len(REACH_EDGES) + 1
+
+
+# Calibration by how a request samples: band 0 is greedy (vLLM's sampler
+# treats a temperature below 1e-5 as greedy), then temperatures below 0.5,
+# from 0.5 to 0.9 (chat front-ends), and 0.9 and above (OpenAI clients'
+# default of 1).
+GREEDY_BAND = 0
+GREEDY_TEMPERATURE = 1e-5
+TEMPERATURE_EDGES = np.array([0.5, 0.9])
+NUM_SAMPLING_BANDS = len(TEMPERATURE_EDGES) + 2
+
+
+def sampling_bands(temperatures: np.ndarray) -> np.ndarray:
+    """Calibration band of requests sampling at ``temperatures``."""
+    temperatures = np.asarray(temperatures, np.float64)
+    sampled = 1 + np.searchsorted(TEMPERATURE_EDGES, temperatures, side="right")
+    return np.where(temperatures < GREEDY_TEMPERATURE, GREEDY_BAND, sampled).astype(np.int64)
+
+
+def sampling_band_labels() -> list[str]:
+    """The sampling bands, for logs: ``greedy``, ``T<0.5``, ..."""
+    edges = [f"{edge:g}" for edge in TEMPERATURE_EDGES]
+    return (["greedy", f"T<{edges[0]}"] + [f"T {lo}-{hi}" for lo, hi in zip(edges, edges[1:])]
+            + [f"T>={edges[-1]}"])
 
 
 def reach_buckets(reach: np.ndarray) -> np.ndarray:
@@ -90,8 +122,10 @@ class StepBudget:
     """What one step's allocation needs: the cost model's current fit, the
     rows the step has without drafts, a cap on its total rows (the
     scheduler's token budget), the calibration scales
-    (``[NUM_SOURCES, NUM_REACH_BUCKETS]``, None for all 1) and the mask
-    rows' value."""
+    (``[NUM_SOURCES, NUM_REACH_BUCKETS]`` for every request, or
+    ``[NUM_SAMPLING_BANDS, NUM_SOURCES, NUM_REACH_BUCKETS]`` with each
+    request's band in ``bands``; None for all 1) and the mask rows' value
+    (one, or one per band)."""
 
     fixed_cost: float
     cost_per_row: float
@@ -99,7 +133,10 @@ class StepBudget:
     max_total_rows: int | None = None
     scales: np.ndarray | None = None
     # What mask rows are worth (MaskValueCalibration); None: the prior.
-    mask_value: float | None = None
+    mask_value: float | np.ndarray | None = None
+    # [B] each request's sampling band (sampling_bands), indexing the
+    # leading axis of 3-d scales and of an array mask_value.
+    bands: np.ndarray | None = None
 
 
 def allocate_rows(gains: np.ndarray, num_gains: np.ndarray, base_rows: int,
@@ -397,3 +434,30 @@ class MaskValueCalibration:
     def value(self) -> float:
         value = (self.surplus + self.prior * self.prior_value) / (self.seeded + self.prior)
         return min(max(value, 0.0), self.max_value)
+
+
+class SamplingCalibration:
+    """The calibrations per sampling band (:func:`sampling_bands`): the
+    sources' acceptance and the mask rows' value, learnt apart for greedy
+    requests and for each band of temperature, since a draft is worth less
+    the hotter a request samples."""
+
+    def __init__(self, mask_prior_value: float) -> None:
+        self.acceptance = [AcceptanceCalibration() for _ in range(NUM_SAMPLING_BANDS)]
+        self.mask = [MaskValueCalibration(mask_prior_value)
+                     for _ in range(NUM_SAMPLING_BANDS)]
+
+    @property
+    def scales(self) -> np.ndarray:
+        """``[NUM_SAMPLING_BANDS, NUM_SOURCES, NUM_REACH_BUCKETS]``."""
+        return np.stack([calibration.scales for calibration in self.acceptance])
+
+    @property
+    def mask_values(self) -> np.ndarray:
+        """``[NUM_SAMPLING_BANDS]``."""
+        return np.array([calibration.value for calibration in self.mask])
+
+    def observed_bands(self) -> list[int]:
+        """Bands that have seen drafts (for logs)."""
+        return [band for band, calibration in enumerate(self.acceptance)
+                if calibration.predicted.sum() > 0]
