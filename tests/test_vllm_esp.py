@@ -290,14 +290,11 @@ def test_engine_starts_when_the_warm_up_proposes_no_tree(tiny_llama_dir):
     of a segfault before serving anything."""
     from vllm import SamplingParams
 
-    import benchmarks.step_cost as step_cost
-
-    assert step_cost._ROWS["value"] == 1  # the source proposes no block
     prompts = [[(13 * i + 5 * j) % 512 for j in range(10 + 3 * i)] for i in range(2)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm = make_llm(tiny_llama_dir, {"method": "esp", "block_complexity": 8, **ESP_ONLY},
                    additional_config={"esp_candidate_source": {
-                       "class": "benchmarks.step_cost.SizedTreeSource", "kwargs": {}}},
+                       "class": "vllm_esp_dev.oracle.NoTreeSource", "kwargs": {}}},
                    skip_tokenizer_init=True, max_model_len=512, max_num_seqs=2)
     try:
         run = generate(llm, prompts, params)

@@ -6,7 +6,7 @@ next to ``"method": "esp"`` in ``--speculative-config``; the reference decoder
 builds it directly. Every error names the offending key and what is allowed,
 and is raised at start-up, never mid-request.
 
-Block geometry (see ``../shared/design/esp-algorithm.md``)::
+Block geometry (docs/design.md)::
 
     k  = num_mask_tokens            masks after every tree node
     T  = 1 + sum(tree)              tree nodes, root included
@@ -74,10 +74,8 @@ MAX_MASK_TOKENS = 3
 DEFAULT_LOOKUP_CACHE_TOKENS = 8192
 MAX_LOOKUP_CACHE_TOKENS = 65536
 
-# Small blocks by default: on CPU a verification row costs nearly what a
-# decode step's row does, so a 10-row block is already several times a plain
-# step at batch 8 (benchmarks/step_cost.py measures it). The paper's GPU
-# default, block complexity 60, is one 'block_complexity' away.
+# A valid static tree for each num_mask_tokens, quoted in the 'tree' error
+# message as an example.
 DEFAULT_TREES: dict[int, tuple[int, ...]] = {1: (4,), 2: (3, 1), 3: (2, 1, 1)}
 
 
@@ -245,10 +243,6 @@ class ESPConfig:
             )
 
     # --------------------------------------------------------------- geometry
-    @property
-    def is_dynamic(self) -> bool:
-        return self.block_complexity is not None
-
     @property
     def tree_sampling(self) -> bool:
         """Sampled requests' trees are walked (``vllm_esp.sampling``)."""

@@ -99,6 +99,3 @@ def load() -> None:
                        is_python_module=False, verbose=False)
     _loaded = True
 
-
-def available() -> bool:
-    return _loaded

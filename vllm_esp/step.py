@@ -84,14 +84,6 @@ class ESPStep:
         block, within = block[inside], within[inside]
         return self.row_starts[block] + within, block
 
-    def node_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """Flat rows of every tree node and the block each belongs to."""
-        num_nodes = self.trees.num_nodes
-        block = np.repeat(np.arange(self.num_blocks), num_nodes)
-        within = np.arange(block.shape[0]) - np.repeat(np.cumsum(num_nodes) - num_nodes,
-                                                       num_nodes)
-        return self.row_starts[block] + within, block
-
 
 _current_step: ESPStep | None = None
 

@@ -120,3 +120,19 @@ class LikelyTokensSource:
                 TreeSpec(tuple(parents), num_mask_tokens=self.config.num_mask_tokens),
                 torch.tensor(tokens)))
         return TreeBatch.from_trees(trees, self.config.num_mask_tokens)
+
+
+class NoTreeSource:
+    """A candidate source that proposes no tree for any request, so that
+    every step is a plain decoding step through ESP's runner (and the
+    start-up warm-up gets no tree either)."""
+
+    def __init__(self, config: ESPConfig) -> None:
+        self.config = config
+        self.max_nodes = 1
+        self.candidate_width = 1
+
+    def propose(self, histories, history_rows, history_starts, history_ends, roots,
+                cand_tokens, cand_log_probs, has_candidates, vocab_size, out=None,
+                **unused) -> TreeBatch:
+        return TreeBatch.empty(roots.shape[0], self.max_nodes, 1)

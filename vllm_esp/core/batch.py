@@ -53,7 +53,7 @@ from vllm_esp.core.hybrid import (
     LOOKUP_ACCEPT,
     LOOKUP_MAX_CHAINS,
     MASK_VALUE,
-    allocate_kernel,
+    allocate_block_kernel,
     lookup_chains_kernel,
     merge_chain_kernel,
 )
@@ -275,7 +275,7 @@ def hybrid_tree_kernel(history, corpus_size, root_token, has_candidates, cand_to
     kept = np.empty(count, np.int64)
     masked = np.zeros(count, np.bool_)
     if use_esp:
-        num_kept = allocate_kernel(parents, scores, depths, count, block_size,
+        num_kept = allocate_block_kernel(parents, scores, depths, count, block_size,
                                    num_mask_tokens, mask_value, kept, masked, out_gains)
     else:
         num_kept = select_kernel(scores, depths, count, budget, kept)

@@ -8,7 +8,7 @@ maximise expected tokens per second (SmartSpec's goodput, Sequoia's
 hardware-aware tree size):
 
 * **Gains.** The tree proposer ranks each request's possible rows greedily
-  (``core.hybrid.allocate_kernel``): a draft node's gain is the estimated
+  (``core.hybrid.allocate_block_kernel``): a draft node's gain is the estimated
   chance it is accepted (its path's reach); a mask row's gain is the value
   of the next step's ESP candidates it seeds. A request's gains are
   non-increasing along its ranking, so any prefix is a tree (ancestors
@@ -160,13 +160,13 @@ def allocate_rows(gains: np.ndarray, num_gains: np.ndarray, base_rows: int,
     if batch == 0 or cost_per_row <= 0 or fixed_cost <= 0:
         return extra
     room = -1 if max_total_rows is None else max(int(max_total_rows) - int(base_rows), 0)
-    allocate_kernel(np.asarray(gains, np.float64), np.asarray(num_gains, np.int64),
+    allocate_rows_kernel(np.asarray(gains, np.float64), np.asarray(num_gains, np.int64),
                     int(base_rows), float(fixed_cost), float(cost_per_row), room, extra)
     return extra
 
 
 @njit(cache=True)
-def allocate_kernel(gains, num_gains, base_rows, fixed_cost, cost_per_row, room, out_extra):
+def allocate_rows_kernel(gains, num_gains, base_rows, fixed_cost, cost_per_row, room, out_extra):
     batch = gains.shape[0]
     size = 0
     for i in range(batch):
@@ -391,7 +391,7 @@ class MaskValueCalibration:
     A node's masks matter only if the node ends up the last accepted one:
     then their logits are the next step's ESP candidates. The allocation
     values them at ``mask_value`` tokens per unit of that probability
-    (``core.hybrid.allocate_kernel``). What they really bring is the next
+    (``core.hybrid.allocate_block_kernel``). What they really bring is the next
     step's *surplus* from those candidates: the ESP-sourced drafts accepted,
     less the rows they took, each priced at what a row costs in tokens at
     the step's goodput (``price``). Without that surplus the masks' rows

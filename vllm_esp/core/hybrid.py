@@ -98,7 +98,10 @@ __all__ = [
     "hybrid_next_tree",
 ]
 
-LOOKUP_MAX_NGRAM = 3
+# Lookup matches the history's last token (a 1-gram) and ranks its earlier
+# occurrences by how much context they share (LOOKUP_ACCEPT), which does what
+# a longer n-gram would and also finds continuations with less context.
+LOOKUP_MAX_NGRAM = 1
 LOOKUP_MIN_NGRAM = 1
 
 # q(m): chance that the next lookup token is accepted when the chain's
@@ -308,8 +311,8 @@ def lookup_chains_kernel(history, corpus_size, node_budget, max_chains, lookup_a
     size = history.shape[0]
     starts = np.empty(max(size, 1), np.int64)
     contexts = np.empty(max(size, 1), np.int64)
-    num_matches = lookup_occurrences_kernel(history, 1, 1, lookup_accept.shape[0] - 1,
-                                            starts, contexts)
+    num_matches = lookup_occurrences_kernel(history, LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM,
+                                            lookup_accept.shape[0] - 1, starts, contexts)
     # Per source (0: the own history, 1: the answer corpus), the
     # LOOKUP_MAX_PEERS longest contexts vote; occurrences followed by a
     # separator have no continuation.
@@ -390,7 +393,7 @@ def merge_chain_kernel(parents, tokens, scores, priors, depths, count, chain_tok
 
 
 @njit(cache=True)
-def allocate_kernel(parents, scores, depths, count, block_size, num_mask_tokens,
+def allocate_block_kernel(parents, scores, depths, count, block_size, num_mask_tokens,
                     mask_value, kept, masked, gains):
     """Greedy row allocation (see ``allocate_block``). Writes the kept
     candidates in the order added into ``kept``, the mask flags into
@@ -723,7 +726,7 @@ def allocate_block(candidates: ScoredCandidates, block_size: int,
     kept = np.empty(count, np.int64)
     masked = np.empty(count, np.bool_)
     gains = np.empty(max(int(block_size), 1), np.float64)
-    num_kept = allocate_kernel(parents, scores, depths, count, int(block_size),
+    num_kept = allocate_block_kernel(parents, scores, depths, count, int(block_size),
                                int(num_mask_tokens), float(mask_value), kept, masked,
                                gains)
     return torch.from_numpy(kept[:num_kept].copy()), torch.from_numpy(masked)
