@@ -13,9 +13,9 @@ import pytest
 
 from vllm_esp.core.batch import TreeBatch
 from vllm_esp.core.goodput import (
+    NUM_SAMPLING_BANDS,
     SOURCE_ESP,
     SOURCE_LOOKUP,
-    NUM_SAMPLING_BANDS,
     SamplingCalibration,
     StepCostModel,
     sampling_bands,
