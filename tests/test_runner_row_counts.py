@@ -15,7 +15,8 @@ from vllm_esp.runner import ESPModelRunnerMixin
 
 
 def counter():
-    runner = SimpleNamespace(_esp_decode_request_steps=0, _esp_decode_rows=0, _esp_walk_steps=0)
+    runner = SimpleNamespace(_esp_decode_request_steps=0, _esp_decode_rows=0, _esp_walk_steps=0,
+                             _esp_undrafted_steps=0)
     count = ESPModelRunnerMixin._count_decode_rows.__get__(runner)
     rows = ESPModelRunnerMixin.esp_row_counts.__get__(runner)
     return count, rows
@@ -31,7 +32,8 @@ def test_decode_only_step_counts_every_request_and_row():
     count, rows = counter()
     # a: a 6-row block (root + 5 draft slots); b: a plain step.
     assert count(step({"a": 6, "b": 1}, {"a": [1, 2, 3, 4, 5]})) == 7
-    assert rows() == {"decode_request_steps": 2, "rows": 7, "walk_steps": 0}
+    assert rows() == {"decode_request_steps": 2, "rows": 7, "walk_steps": 0,
+                      "steps_without_drafts": 0}
 
 
 def test_prefill_chunk_is_not_a_decode_row():
@@ -40,15 +42,18 @@ def test_prefill_chunk_is_not_a_decode_row():
     # step is not decode-only (0: the cost model skips it), and only a and
     # b count.
     assert count(step({"a": 3, "b": 1, "c": 40}, {"a": [7, 8]})) == 0
-    assert rows() == {"decode_request_steps": 2, "rows": 4, "walk_steps": 0}
+    assert rows() == {"decode_request_steps": 2, "rows": 4, "walk_steps": 0,
+                      "steps_without_drafts": 0}
     count(step({"a": 1}, {}))
-    assert rows() == {"decode_request_steps": 3, "rows": 5, "walk_steps": 0}
+    assert rows() == {"decode_request_steps": 3, "rows": 5, "walk_steps": 0,
+                      "steps_without_drafts": 0}
 
 
 def test_empty_step_counts_nothing():
     count, rows = counter()
     assert count(step({}, {})) == 0
-    assert rows() == {"decode_request_steps": 0, "rows": 0, "walk_steps": 0}
+    assert rows() == {"decode_request_steps": 0, "rows": 0, "walk_steps": 0,
+                      "steps_without_drafts": 0}
 
 
 def test_step_cost_profile_times_the_lm_head_over_every_row():
@@ -194,3 +199,47 @@ def test_step_cost_profile_cache_that_is_not_a_profile_is_measured_again():
         [1.0, 0.05], [8.0, 0.06], [32.0, 0.2]]
     # A slower new time never replaces a cached one (load only adds time).
     assert merged_profile(cached, [[8.0, 0.12]]) == cached
+
+
+def test_a_step_without_drafts_skips_the_rejection_sampler():
+    """With a speculative config vLLM sends every step through its
+    RejectionSampler, whose sampled path draws a batch x vocabulary noise
+    tensor even when no request has drafts (17 ms a step at batch 24 on
+    SmolLM2). ESP's runner samples such a step with vLLM's Sampler, as an
+    engine without speculation does; steps with drafts still go to vLLM
+    (or to ESP's own verification)."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    calls = []
+
+    class VLLMRunner:
+        def _sample(self, logits, spec_decode_metadata):
+            calls.append("rejection sampler")
+            return "verified"
+
+    class Runner(ESPModelRunnerMixin, VLLMRunner):
+        pass
+
+    runner = object.__new__(Runner)
+    runner._esp_step = None
+    runner._esp_undrafted_steps = 0
+    runner.input_batch = SimpleNamespace(
+        update_async_output_token_ids=lambda: calls.append("async outputs"),
+        sampling_metadata="metadata")
+
+    def sampler(logits, sampling_metadata):
+        calls.append(("sampler", logits, sampling_metadata))
+        return "sampled"
+
+    runner.sampler = sampler
+    no_drafts = SpecDecodeMetadata.make_dummy([[], []], device="cpu")
+    assert no_drafts.max_spec_len == 0
+    assert runner._sample("logits", no_drafts) == "sampled"
+    assert calls == ["async outputs", ("sampler", "logits", "metadata")]
+    assert runner._esp_undrafted_steps == 1
+    calls.clear()
+    with_drafts = SpecDecodeMetadata.make_dummy([[5], []], device="cpu")
+    assert runner._sample("logits", with_drafts) == "verified"
+    assert runner._sample("logits", None) == "verified"
+    assert calls == ["rejection sampler", "rejection sampler"]
+    assert runner._esp_undrafted_steps == 1

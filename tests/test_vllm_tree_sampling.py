@@ -164,3 +164,42 @@ def test_walk_seeds_repeat_and_logprobs_are_the_targets(tiny_llama_dir, table):
         for position, token in enumerate(sampled_tokens):
             expected = reference.prompt_logprobs[len(PROMPT) + position][token].logprob
             assert reported[position][token].logprob == pytest.approx(expected, abs=1e-4)
+
+
+def test_steps_without_drafts_sample_exactly_as_plain_vllm(tiny_llama_dir):
+    """Steps in which no request has drafts are sampled by vLLM's Sampler
+    (not its RejectionSampler): seeded sampled requests with top-p,
+    penalties and logprobs, beside greedy ones, get plain vLLM's tokens and
+    logprobs."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=[(7 * i + 3 * j) % 500 + 1
+                                              for j in range(6 + i)]) for i in range(6)]
+    params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 0.8, top_p=0.9,
+                             seed=None if i % 3 == 0 else 100 + i, max_tokens=10,
+                             ignore_eos=True, logprobs=2, frequency_penalty=0.3)
+              for i in range(len(prompts))]
+    outputs = {}
+    for name, config, extra in (
+            ("plain", None, {}),
+            ("esp", {"method": "esp"}, {"additional_config": {"esp_candidate_source": {
+                "class": "vllm_esp_dev.oracle.NoTreeSource", "kwargs": {}}}})):
+        llm = make_llm(tiny_llama_dir, config, **extra, **COMMON)
+        try:
+            outputs[name] = [o.outputs[0] for o in llm.generate(prompts, params,
+                                                                 use_tqdm=False)]
+            if name == "esp":
+                counts = llm.collective_rpc("esp_row_counts")[0]
+        finally:
+            shutdown(llm)
+    assert counts["steps_without_drafts"] >= 9
+    esp_tokens = [list(o.token_ids) for o in outputs["esp"]]
+    assert esp_tokens == [list(o.token_ids) for o in outputs["plain"]]
+    assert len({tuple(t) for t in esp_tokens}) == len(prompts)
+    for esp_output, plain_output in zip(outputs["esp"], outputs["plain"]):
+        assert len(esp_output.logprobs) == len(plain_output.logprobs) == 10
+        for esp_position, plain_position in zip(esp_output.logprobs, plain_output.logprobs):
+            assert esp_position.keys() == plain_position.keys()
+            for token, logprob in plain_position.items():
+                assert esp_position[token].logprob == pytest.approx(logprob.logprob, abs=1e-5)
