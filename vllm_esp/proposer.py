@@ -160,7 +160,8 @@ class AutoStats:
               for source in (SOURCE_ESP, SOURCE_LOOKUP, SOURCE_CORPUS)),
             "" if cost is None else
             f"; step cost {cost.fixed * 1e3:.1f} ms + {cost.per_request * 1e3:.2f} ms/request"
-            f" + {cost.per_row * 1e3:.2f} ms/row",
+            f" + {cost.per_row * 1e3:.2f} ms/row"
+            f" + {cost.per_drafted_step * 1e3:.1f} ms when it verifies drafts",
             "/".join(reach_band_labels()),
             "; ".join(
                 f"{band_names[band]}: esp x"
@@ -486,8 +487,10 @@ class ESPProposer:
         if not self.auto or self.cost_model is None:
             return None
         # The step's requests are given; only its rows are chosen.
-        return StepBudget(self.cost_model.seconds(0, num_requests), self.cost_model.per_row,
+        return StepBudget(self.cost_model.seconds(0, num_requests, drafted=False),
+                          self.cost_model.per_row,
                           base_rows=num_requests, max_total_rows=self.max_step_tokens,
+                          cost_per_drafted_step=self.cost_model.per_drafted_step,
                           scales=self.calibration.scales,
                           mask_value=self.calibration.mask_values, bands=bands)
 

@@ -68,7 +68,7 @@ def test_prefix_order_kept_when_gains_rise():
 
 
 def _allocate_rows_reference(gains, num_gains, base_rows, fixed_cost, cost_per_row,
-                             max_total_rows=None):
+                             max_total_rows=None, cost_per_drafted_step=0.0):
     """The allocation in plain numpy (its first implementation)."""
     batch = gains.shape[0]
     extra = np.zeros(batch, np.int64)
@@ -85,7 +85,9 @@ def _allocate_rows_reference(gains, num_gains, base_rows, fixed_cost, cost_per_r
         return extra
     rows = base_rows + np.arange(values.size + 1)
     tokens = batch + np.concatenate(([0.0], np.cumsum(values)))
-    best = int(np.argmax(tokens / (fixed_cost + cost_per_row * rows)))
+    drafted = np.arange(values.size + 1) > 0
+    best = int(np.argmax(tokens / (fixed_cost + cost_per_row * rows
+                                   + cost_per_drafted_step * drafted)))
     np.add.at(extra, request[:best], 1)
     return extra
 
@@ -105,32 +107,85 @@ def test_allocation_equals_the_numpy_reference():
         base = batch + int(rng.integers(0, 4))
         fixed, per_row = rng.uniform(0.2, 2.0), rng.uniform(0.001, 0.4)
         cap = None if rng.random() < 0.5 else int(rng.integers(0, base + 3 * width))
+        drafted_step = 0.0 if rng.random() < 0.5 else rng.uniform(0.0, 1.0)
         np.testing.assert_array_equal(
-            allocate_rows(gains, counts, base, fixed, per_row, cap),
-            _allocate_rows_reference(gains, counts, base, fixed, per_row, cap))
+            allocate_rows(gains, counts, base, fixed, per_row, cap, drafted_step),
+            _allocate_rows_reference(gains, counts, base, fixed, per_row, cap, drafted_step))
+
+
+def _bounded_least_squares(gram, moment, ridge):
+    """The normal equations with the ridged terms (requests, drafted step)
+    kept >= 0, by numpy: each negative one in turn, the most negative first,
+    is left out and the rest solved again."""
+    active = [0, 1, 2, 3]
+    while True:
+        sub = np.ix_(active, active)
+        values = np.linalg.solve(gram[sub] + np.diag(ridge[active]), moment[active])
+        solution = np.zeros(4)
+        solution[active] = values
+        negative = [i for i in (2, 3) if i in active and solution[i] < 0]
+        if not negative:
+            return solution
+        active.remove(min(negative, key=lambda i: solution[i]))
 
 
 def test_cost_model_fit_equals_numpy_least_squares():
     """The compiled update solves the same forgetting, ridge-regularised
-    normal equations as numpy's solver, step after step."""
+    normal equations as numpy's solver, step after step, the cost per
+    request and per drafted step bounded at 0."""
     rng = np.random.default_rng(2)
     model = StepCostModel(fixed=0.04, per_row=0.0008)
     gram, moment = model._gram.copy(), model._moment.copy()
-    ridge = np.diag([0.0, 0.0, 1.0])
-    for _ in range(200):
-        rows, requests = int(rng.integers(1, 60)), int(rng.integers(1, 9))
-        seconds = 0.03 + 0.001 * rows + 0.002 * requests + rng.normal(0, 0.002)
+    ridge = np.array([0.0, 0.0, 1.0, 1.0])
+    bounded = 0
+    for step in range(300):
+        requests = int(rng.integers(1, 9))
+        drafted = rng.random() < 0.7
+        rows = requests + (int(rng.integers(1, 50)) if drafted else 0)
+        # A drafted step costs 5 ms more for the first 150 steps, then 2 ms
+        # less (the fit must then hold it at 0).
+        premium = 0.005 if step < 150 else -0.002
+        seconds = (0.03 + 0.001 * rows + 0.002 * requests + premium * drafted
+                   + rng.normal(0, 0.002))
         model.observe(rows, seconds, requests)
-        features = np.array([1.0, rows, requests])
+        features = np.array([1.0, rows, requests, float(drafted)])
         gram = 0.99 * gram + np.outer(features, features)
         moment = 0.99 * moment + seconds * features
-        fixed, per_row, per_request = np.linalg.solve(gram + ridge, moment)
-        if per_request < 0:
-            # Least squares under per_request >= 0: the fit on (1, rows).
-            (fixed, per_row), per_request = np.linalg.solve(gram[:2, :2], moment[:2]), 0.0
+        fixed, per_row, per_request, per_drafted_step = _bounded_least_squares(
+            gram, moment, ridge)
+        bounded += per_drafted_step == 0.0
         assert model.fixed == pytest.approx(max(fixed, 0.002), rel=1e-9)
         assert model.per_row == pytest.approx(max(per_row, 8e-7), rel=1e-9)
-        assert model.per_request == pytest.approx(max(per_request, 0.0), rel=1e-9, abs=1e-15)
+        assert model.per_request == pytest.approx(per_request, rel=1e-9, abs=1e-15)
+        assert model.per_drafted_step == pytest.approx(per_drafted_step, rel=1e-9, abs=1e-15)
+        if step == 149:
+            # Learnt, though the prior (no drafts, another level) still weighs.
+            assert 0.002 < model.per_drafted_step < 0.008
+    assert bounded > 50 and model.per_drafted_step == 0.0
+
+
+def test_cost_model_without_undrafted_steps_keeps_the_drafted_step_at_zero():
+    """Every step drafting (nothing to tell the premium from the fixed
+    cost): the ridge holds it at 0 and the fixed cost takes the level."""
+    model = StepCostModel(fixed=0.04, per_row=0.001)
+    rng = np.random.default_rng(0)
+    for _ in range(600):
+        rows = 8 + int(rng.integers(1, 30))
+        model.observe(rows, 0.05 + 0.001 * rows, requests=8)
+    assert model.per_drafted_step == pytest.approx(0.0, abs=2e-4)
+    assert model.seconds(30, 8) == pytest.approx(0.08, rel=0.01)
+
+
+def test_a_costly_drafted_step_makes_a_plain_step_the_best():
+    """Rows worth 0.25 tokens each at 1 ms a row beside a 100 ms step of 24
+    requests: bought while drafting costs nothing more, none when a drafted
+    step costs 10 ms more, since their gain does not cover that."""
+    gains = np.full((24, 4), 0.3)
+    counts = np.full(24, 4)
+    free = allocate_rows(gains, counts, 24, 0.076, 0.001)
+    assert free.sum() > 0
+    costly = allocate_rows(gains, counts, 24, 0.076, 0.001, cost_per_drafted_step=0.03)
+    assert costly.sum() == 0
 
 
 def test_total_row_cap():

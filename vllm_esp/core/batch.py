@@ -500,7 +500,8 @@ class TreeProposer:
         gains, num_gains = self._run(caps, *args)
         if self.auto and budget is not None:
             extra = allocate_rows(gains, num_gains, budget.base_rows, budget.fixed_cost,
-                                  budget.cost_per_row, budget.max_total_rows)
+                                  budget.cost_per_row, budget.max_total_rows,
+                                  budget.cost_per_drafted_step)
             self._run(np.minimum(caps, 1 + extra), *args)
         return out
 

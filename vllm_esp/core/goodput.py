@@ -13,9 +13,10 @@ hardware-aware tree size):
   of the next step's ESP candidates it seeds. A request's gains are
   non-increasing along its ranking, so any prefix is a tree (ancestors
   first) and the first ``n`` rows are the best ``n``.
-* **Cost.** :class:`StepCostModel`: step time ``t(R, B) = fixed +
-  per_request * B + per_row * R`` for ``R`` rows (tokens) in the forward
-  and ``B`` requests, from a start-up profile and corrected online from
+* **Cost.** :class:`StepCostModel`: step time ``t(R, B, D) = fixed +
+  per_request * B + per_row * R + per_drafted_step * D`` for ``R`` rows
+  (tokens) in the forward, ``B`` requests and ``D`` = 1 when the step
+  verifies drafts, from a start-up profile and corrected online from
   measured step times.
 * **Allocation.** :func:`allocate_rows`: every request keeps its root row
   (it emits one token in any case); extra rows are taken in order of gain
@@ -131,6 +132,8 @@ class StepBudget:
     cost_per_row: float
     base_rows: int
     max_total_rows: int | None = None
+    # What a step costs more once it verifies drafts (StepCostModel).
+    cost_per_drafted_step: float = 0.0
     scales: np.ndarray | None = None
     # What mask rows are worth (MaskValueCalibration); None: the prior.
     mask_value: float | np.ndarray | None = None
@@ -141,7 +144,8 @@ class StepBudget:
 
 def allocate_rows(gains: np.ndarray, num_gains: np.ndarray, base_rows: int,
                   fixed_cost: float, cost_per_row: float,
-                  max_total_rows: int | None = None) -> np.ndarray:
+                  max_total_rows: int | None = None,
+                  cost_per_drafted_step: float = 0.0) -> np.ndarray:
     """Extra rows per request that maximise expected tokens per unit time.
 
     ``gains[i, :num_gains[i]]``: request ``i``'s candidate rows in its
@@ -153,7 +157,9 @@ def allocate_rows(gains: np.ndarray, num_gains: np.ndarray, base_rows: int,
     Rows are taken by decreasing gain (a request's own in its order: its
     gains are first made non-increasing, so that every prefix stays
     intact), lower position first on ties, then lower request, and the
-    count taken is the goodput argmax (the first, on ties).
+    count taken is the goodput argmax (the first, on ties). Any extra row
+    also costs ``cost_per_drafted_step`` once (the step then verifies
+    drafts).
     """
     batch = gains.shape[0]
     extra = np.zeros(batch, np.int64)
@@ -161,12 +167,14 @@ def allocate_rows(gains: np.ndarray, num_gains: np.ndarray, base_rows: int,
         return extra
     room = -1 if max_total_rows is None else max(int(max_total_rows) - int(base_rows), 0)
     allocate_rows_kernel(np.asarray(gains, np.float64), np.asarray(num_gains, np.int64),
-                    int(base_rows), float(fixed_cost), float(cost_per_row), room, extra)
+                    int(base_rows), float(fixed_cost), float(cost_per_row),
+                    max(float(cost_per_drafted_step), 0.0), room, extra)
     return extra
 
 
 @njit(cache=True)
-def allocate_rows_kernel(gains, num_gains, base_rows, fixed_cost, cost_per_row, room, out_extra):
+def allocate_rows_kernel(gains, num_gains, base_rows, fixed_cost, cost_per_row,
+                         cost_per_drafted_step, room, out_extra):
     batch = gains.shape[0]
     size = 0
     for i in range(batch):
@@ -198,7 +206,8 @@ def allocate_rows_kernel(gains, num_gains, base_rows, fixed_cost, cost_per_row, 
     gained = 0.0
     for n in range(order.shape[0]):
         gained += values[order[n]]
-        goodput = (batch + gained) / (fixed_cost + cost_per_row * (base_rows + n + 1))
+        goodput = (batch + gained) / (fixed_cost + cost_per_drafted_step
+                                      + cost_per_row * (base_rows + n + 1))
         if goodput > best_goodput:
             best_goodput = goodput
             best = n + 1
@@ -207,15 +216,15 @@ def allocate_rows_kernel(gains, num_gains, base_rows, fixed_cost, cost_per_row, 
 
 
 class StepCostModel:
-    """``t(R, B) = fixed + per_request * B + per_row * R``: seconds of a
-    step with ``R`` rows (tokens) in its forward, of which ``B`` are
-    requests (their roots).
+    """``t(R, B, D) = fixed + per_request * B + per_row * R + per_drafted_step * D``:
+    seconds of a step with ``R`` rows (tokens) in its forward, of which
+    ``B`` are requests (their roots), and ``D`` = 1 when it verifies drafts.
 
-    Least squares over the measured ``(R, B, t)`` with exponential
+    Least squares over the measured ``(R, B, D, t)`` with exponential
     forgetting (recent steps weigh more: the context grows, the machine's
     load changes), started from a prior fit (the start-up profile) that
     counts as ``prior_weight`` observations at 1 and ``2 * prior_rows``
-    rows, of one request.
+    rows, of one request, without drafts.
 
     The prior's points stay close together so that they pin the level and
     only weakly the slope. A real step's cost per row is above the
@@ -231,12 +240,21 @@ class StepCostModel:
     over its context), and in a pass the number of requests changes (a
     batch fills, its tail drains). A fit on rows alone charged that to the
     rows: at 16 requests it gave 2.5 to 2.9 ms per row where a draft row
-    added 2.1 ms (docs/results.md, "Cost per request"). ``per_request`` is
-    held at zero by a small ridge that is not forgotten, so that it stays
-    zero where the number of requests never changes (batch 1), and is never
-    negative: where the best fit asks for a negative cost per request (the
-    1-request prior above a full batch's real steps), the fit is on rows
-    alone.
+    added 2.1 ms (docs/results.md, "Cost per request").
+
+    A step that verifies drafts also costs something of its own, whatever
+    its rows: the verification (the tree walk or vLLM's rejection sampler),
+    the blocks' layout and tree-attention metadata, the accepted path's KV.
+    At batch 24 on SmolLM2 the first draft row of every request cost 1.5 ms
+    a row and the next ones 1.1 ms; ``per_drafted_step`` holds that
+    difference, so that the allocation weighs a plain step (no extra rows)
+    at its real, lower cost.
+
+    ``per_request`` and ``per_drafted_step`` are held at zero by a small
+    ridge that is not forgotten, so that each stays zero where its feature
+    never varies (batch 1; every step drafting), and neither is ever
+    negative: where the best fit asks for a negative one, it is left out of
+    the fit (the least squares under that bound).
     """
 
     def __init__(self, fixed: float, per_row: float, prior_weight: float = 20.0,
@@ -244,41 +262,53 @@ class StepCostModel:
                  request_ridge: float = 1.0) -> None:
         self.forgetting = forgetting
         self.prior = (fixed, per_row)
-        # Weighted least squares on the features (1, R, B): the normal
+        # Weighted least squares on the features (1, R, B, D): the normal
         # equations' Gram matrix and moment vector.
-        self._gram = np.zeros((3, 3))
-        self._moment = np.zeros(3)
+        self._gram = np.zeros((4, 4))
+        self._moment = np.zeros(4)
         for rows in (1.0, 2.0 * prior_rows):
-            self._add(rows, 1.0, fixed + per_row * rows, prior_weight / 2)
-        self._request_ridge = float(request_ridge)
-        self._solution = np.zeros(3)
-        self.fixed, self.per_row, self.per_request = fixed, per_row, 0.0
+            self._add(rows, 1.0, 0.0, fixed + per_row * rows, prior_weight / 2)
+        self._ridge = np.array([0.0, 0.0, float(request_ridge), float(request_ridge)])
+        self._solution = np.zeros(4)
+        self.fixed, self.per_row = fixed, per_row
+        self.per_request = self.per_drafted_step = 0.0
 
-    def _add(self, rows: float, requests: float, seconds: float, weight: float) -> None:
-        features = np.array([1.0, rows, requests])
+    def _add(self, rows: float, requests: float, drafted: float, seconds: float,
+             weight: float) -> None:
+        features = np.array([1.0, rows, requests, drafted])
         self._gram += weight * np.outer(features, features)
         self._moment += weight * seconds * features
 
-    def observe(self, rows: int, seconds: float, requests: int = 1) -> None:
+    def observe(self, rows: int, seconds: float, requests: int = 1,
+                drafted: bool | None = None) -> None:
         """One step's time with ``rows`` in its forward, ``requests`` of
-        them roots."""
+        them roots; ``drafted``: it verified drafts (default: it had rows
+        besides the roots)."""
         if not (seconds > 0 and math.isfinite(seconds)) or rows <= 0 or requests <= 0:
             return
+        if drafted is None:
+            drafted = rows > requests
         # Once per decode step: one compiled call, not a dozen numpy ones.
         solved = cost_fit_update(self._gram, self._moment, self.forgetting, float(rows),
-                                 float(requests), float(seconds), self._request_ridge,
-                                 self._solution)
+                                 float(requests), float(drafted), float(seconds),
+                                 self._ridge, self._solution)
         if not solved:
             return
-        fixed, per_row, per_request = self._solution
+        fixed, per_row, per_request, per_drafted_step = self._solution
         # A step never gets cheaper with more rows, and always costs
-        # something. (The fit itself keeps the cost per request >= 0.)
+        # something. (The fit itself keeps the other terms >= 0.)
         self.per_row = max(float(per_row), 1e-3 * self.prior[1], 1e-9)
         self.per_request = float(per_request)
+        self.per_drafted_step = float(per_drafted_step)
         self.fixed = max(float(fixed), 0.05 * self.prior[0], 1e-9)
 
-    def seconds(self, rows: float, requests: float = 1) -> float:
-        return self.fixed + self.per_request * requests + self.per_row * rows
+    def seconds(self, rows: float, requests: float = 1, drafted: bool | None = None) -> float:
+        """A step's predicted time (``drafted`` by default: rows besides
+        the roots)."""
+        if drafted is None:
+            drafted = rows > requests
+        return (self.fixed + self.per_request * requests + self.per_row * rows
+                + self.per_drafted_step * float(drafted))
 
     def row_price(self, rows: float, requests: float, tokens: float) -> float:
         """What one more row costs, in tokens, in a step of ``rows`` and
@@ -299,45 +329,80 @@ class StepCostModel:
 
 
 @njit(cache=True)
-def _det3(a):
-    return (a[0, 0] * (a[1, 1] * a[2, 2] - a[1, 2] * a[2, 1])
-            - a[0, 1] * (a[1, 0] * a[2, 2] - a[1, 2] * a[2, 0])
-            + a[0, 2] * (a[1, 0] * a[2, 1] - a[1, 1] * a[2, 0]))
+def _solve_active(gram, moment, ridge, active, out_solution):
+    """Ridge-regularised normal equations on the ``active`` features alone
+    (the others 0), by Gaussian elimination with partial pivoting. False
+    where they are singular."""
+    index = np.flatnonzero(active)
+    size = index.shape[0]
+    system = np.empty((size, size + 1))
+    for i in range(size):
+        for j in range(size):
+            system[i, j] = gram[index[i], index[j]]
+        system[i, i] += ridge[index[i]]
+        system[i, size] = moment[index[i]]
+    scale = 0.0
+    for i in range(size):
+        scale = max(scale, abs(system[i, i]))
+    for column in range(size):
+        pivot = column
+        for row in range(column + 1, size):
+            if abs(system[row, column]) > abs(system[pivot, column]):
+                pivot = row
+        if abs(system[pivot, column]) <= 1e-12 * max(scale, 1e-300):
+            return False
+        if pivot != column:
+            for j in range(size + 1):
+                system[column, j], system[pivot, j] = system[pivot, j], system[column, j]
+        for row in range(column + 1, size):
+            factor = system[row, column] / system[column, column]
+            for j in range(column, size + 1):
+                system[row, j] -= factor * system[column, j]
+    values = np.zeros(size)
+    for i in range(size - 1, -1, -1):
+        total = system[i, size]
+        for j in range(i + 1, size):
+            total -= system[i, j] * values[j]
+        values[i] = total / system[i, i]
+    out_solution[:] = 0.0
+    for i in range(size):
+        out_solution[index[i]] = values[i]
+    return True
 
 
 @njit(cache=True)
-def cost_fit_update(gram, moment, forgetting, rows, requests, seconds, request_ridge,
+def cost_fit_update(gram, moment, forgetting, rows, requests, drafted, seconds, ridge,
                     out_solution):
-    """Forget, add one observation of features ``(1, rows, requests)`` at
-    weight 1, and solve the ridge-regularised normal equations by Cramer's
-    rule into ``out_solution``. False (nothing solved) while rows have not
+    """Forget, add one observation of features ``(1, rows, requests,
+    drafted)`` at weight 1, and solve the normal equations (``ridge`` on the
+    diagonal) into ``out_solution``, with the ridged terms never negative: a
+    ridged term the unconstrained fit makes negative is left out (0) and
+    the rest solved again. False (nothing solved) while rows have not
     varied enough to separate the fixed cost from the per-row cost."""
-    features = np.array([1.0, rows, requests])
-    for i in range(3):
+    features = np.array([1.0, rows, requests, drafted])
+    for i in range(4):
         moment[i] = forgetting * moment[i] + seconds * features[i]
-        for j in range(3):
+        for j in range(4):
             gram[i, j] = forgetting * gram[i, j] + features[i] * features[j]
     if gram[0, 0] * gram[1, 1] - gram[0, 1] * gram[1, 0] <= 1e-12:
         return False
-    system = gram.copy()
-    system[2, 2] += request_ridge
-    det = _det3(system)
-    if det == 0.0:
-        return False
-    for column in range(3):
-        replaced = system.copy()
-        replaced[:, column] = moment
-        out_solution[column] = _det3(replaced) / det
-    if out_solution[2] < 0.0:
-        # A request never makes a step cheaper: the least squares under
-        # per_request >= 0 then lie on per_request = 0, the fit on (1, rows)
-        # alone. Clamping the negative term instead would keep the fixed
-        # cost it offsets (a 1-request prior above a full batch's steps:
-        # 54.6 ms fixed where batch-8 steps took 35.5 ms + 2.9 ms per row).
-        det2 = gram[0, 0] * gram[1, 1] - gram[0, 1] * gram[1, 0]
-        out_solution[0] = (moment[0] * gram[1, 1] - gram[0, 1] * moment[1]) / det2
-        out_solution[1] = (gram[0, 0] * moment[1] - gram[1, 0] * moment[0]) / det2
-        out_solution[2] = 0.0
+    active = np.ones(4, np.bool_)
+    # At most one pass per ridged term: each drops one that is negative.
+    for _ in range(3):
+        if not _solve_active(gram, moment, ridge, active, out_solution):
+            return False
+        # A request never makes a step cheaper, nor do drafts: the least
+        # squares under those bounds lie on the bound. Clamping the negative
+        # term instead would keep the fixed cost it offsets (a 1-request
+        # prior above a full batch's steps: 54.6 ms fixed where batch-8
+        # steps took 35.5 ms + 2.9 ms per row).
+        worst, worst_value = -1, 0.0
+        for i in range(2, 4):
+            if active[i] and out_solution[i] < worst_value:
+                worst, worst_value = i, out_solution[i]
+        if worst < 0:
+            return True
+        active[worst] = False
     return True
 
 
