@@ -77,10 +77,10 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_esp.config import ESPConfig
-    from vllm_esp.core.sources import ESPMaskSource
-    from vllm_esp.reference import ReferenceDecoder
     from vllm_esp_dev.data import chat_prompt_ids
     from vllm_esp_dev.models import MODELS, model_path
+    from vllm_esp_dev.reference import ReferenceDecoder
+    from vllm_esp_dev.sources import ESPMaskSource
 
     torch.set_num_threads(2)
     path = str(model_path(args.model)) if args.model in MODELS else args.model

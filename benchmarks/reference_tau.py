@@ -4,7 +4,7 @@
     ./run python -m benchmarks.reference_tau [--per-category 2] [--max-tokens 64]
 
 Runs plain greedy decoding, ESP at several configs and prompt lookup on the
-same prompts with vllm_esp.reference (batch 1, fp32, SmolLM2-135M-Instruct by
+same prompts with vllm_esp_dev.reference (batch 1, fp32, SmolLM2-135M-Instruct by
 default), checks that every speculative output equals plain greedy, and
 prints a markdown table of tau (mean tokens emitted per verification step)
 per category. This measures acceptance only: the reference decoder is a
@@ -55,9 +55,9 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_esp.config import ESPConfig
-    from vllm_esp.reference import ReferenceDecoder
     from vllm_esp_dev.data import chat_prompt_ids
     from vllm_esp_dev.models import MODELS, model_path
+    from vllm_esp_dev.reference import ReferenceDecoder
 
     torch.set_num_threads(args.threads)
     path = str(model_path(args.model)) if args.model in MODELS else args.model

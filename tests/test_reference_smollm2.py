@@ -60,7 +60,7 @@ _greedy_cache: dict[tuple[int, int], list[int]] = {}
 
 
 def _check(model, prompts, options, new_tokens, min_tau):
-    from vllm_esp.reference import ReferenceDecoder
+    from vllm_esp_dev.reference import ReferenceDecoder
 
     plain = ReferenceDecoder(model)
     decoder = ReferenceDecoder(model, ESPConfig.from_dict(options))

@@ -164,7 +164,7 @@ def test_per_request_steps_match_reference_decoder(smollm2_dir, prompts, options
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
-    from vllm_esp.reference import ReferenceDecoder
+    from vllm_esp_dev.reference import ReferenceDecoder
 
     count, max_tokens = 6, 48
     llm = make_llm(smollm2_dir, {"method": "esp", **options},

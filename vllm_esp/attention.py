@@ -49,7 +49,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_esp.profiling import scope
-from vllm_esp.step import current_step
+from vllm_esp.step import ESPStep
 
 TREE_ATTN_LAYOUT = "vec"
 
@@ -78,6 +78,10 @@ class ESPCPUAttentionMetadata(CPUAttentionMetadata):
 
 
 class ESPCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    # The blocks of the step being built, set by the runner that owns this
+    # builder (ESPModelRunnerMixin._esp_publish_step); None: no blocks.
+    esp_step: ESPStep | None = None
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if self.isa not in ("vec", "vec16"):
@@ -88,7 +92,7 @@ class ESPCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        step = current_step()
+        step = self.esp_step
         if step is None or metadata.causal is not True or metadata.dynamic_causal is not None:
             return metadata
         with scope("esp: attention metadata"):

@@ -69,7 +69,7 @@ from vllm_esp.kernels import cache_root, cpu_fingerprint
 from vllm_esp.profiling import scope
 from vllm_esp.proposer import ESPDraftTokenIds, ESPProposer
 from vllm_esp.sampling import TreeWalkSampler, greedy_requests, unsupported
-from vllm_esp.step import ESPStep, set_current_step
+from vllm_esp.step import ESPStep
 
 # Under "vllm." so that vLLM's logging configuration (format, level,
 # VLLM_LOGGING_LEVEL) applies to ESP's messages too.
@@ -181,7 +181,7 @@ class ESPModelRunnerMixin:
         logits_indices, spec_metadata, max_sampled = super()._prepare_inputs(
             scheduler_output, num_scheduled_tokens)
         self._esp_step = None
-        set_current_step(None)
+        self._esp_publish_step(None)
         if spec_metadata is None:
             return logits_indices, spec_metadata, max_sampled
         with scope("esp: prepare inputs"):
@@ -190,8 +190,18 @@ class ESPModelRunnerMixin:
                 return logits_indices, spec_metadata, max_sampled
             logits_indices = self._esp_logits_indices(spec_metadata, step)
             self._esp_step = step
-            set_current_step(step)
+            self._esp_publish_step(step)
         return logits_indices, spec_metadata, max_sampled
+
+    def _esp_publish_step(self, step: ESPStep | None) -> None:
+        """Give this step's blocks to the runner's own attention metadata
+        builders (``vllm_esp.attention``), which build the tree-attention
+        metadata from them; None takes them back."""
+        for groups in self.attn_groups:
+            for group in groups:
+                for builder in group.metadata_builders:
+                    if hasattr(builder, "esp_step"):
+                        builder.esp_step = step
 
     def _esp_begin_step(self, scheduler_output, num_scheduled_tokens) -> ESPStep | None:
         drafter = self.drafter
@@ -384,7 +394,7 @@ class ESPModelRunnerMixin:
         try:
             output = super().execute_model(scheduler_output, intermediate_tensors)
         finally:
-            set_current_step(None)
+            self._esp_publish_step(None)
         step = self._esp_step
         if step is not None and self.execute_model_state is not None:
             step.hidden_states = self.execute_model_state.hidden_states

@@ -3,10 +3,10 @@
 attention backend and the verification.
 
 vLLM's attention layers only receive backend metadata, which has no slot for
-a tree mask. The runner therefore publishes the current step's blocks here
-before the forward, and the attention metadata builder reads them. The
-context is process-local (every TP rank builds the same one) and is cleared
-when the forward is done.
+a tree mask. The runner therefore hands the step's blocks to its own
+attention metadata builders before the forward
+(``ESPModelRunnerMixin._esp_publish_step``), and takes them back when the
+forward is done; each builder reads the step it was given.
 
 Everything is built once per step from arrays, for all blocks at once
 (``core.batch``): the blocks' trees and layouts, their flat rows in the
@@ -83,15 +83,3 @@ class ESPStep:
         inside = within < self.layouts.num_rows[block]
         block, within = block[inside], within[inside]
         return self.row_starts[block] + within, block
-
-
-_current_step: ESPStep | None = None
-
-
-def set_current_step(step: ESPStep | None) -> None:
-    global _current_step
-    _current_step = step
-
-
-def current_step() -> ESPStep | None:
-    return _current_step

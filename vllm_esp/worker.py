@@ -104,6 +104,17 @@ def check_tree_attention_in_use(attn_groups) -> None:
             f"ESP: attention layers were built with {', '.join(stock)}, not ESP's "
             f"tree attention ({ESP_CPU_ATTENTION_BACKEND}); ESP blocks would be "
             "verified with the wrong mask. Please report this with your vLLM version.")
+    # The accepted path's K/V is moved through the slot mappings vLLM keeps
+    # for its separate KV-cache update op (execute_model_state.slot_mappings);
+    # a backend that writes the cache inside its forward has none.
+    fused = sorted({group.backend.__name__ for groups in attn_groups for group in groups
+                    if getattr(group.backend, "forward_includes_kv_cache_update", True)})
+    if fused:
+        raise RuntimeError(
+            f"ESP: the attention backend {', '.join(fused)} writes the KV cache inside "
+            "its forward (forward_includes_kv_cache_update), so ESP cannot move the "
+            "accepted drafts' K/V (checked on vLLM 0.32.0, where CPU_ATTN does not). "
+            "Please report this with your vLLM version.")
 
 
 _previous_cpu_attention_override: str | None = None

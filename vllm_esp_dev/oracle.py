@@ -26,8 +26,8 @@ import torch
 from vllm_esp.config import ESPConfig
 from vllm_esp.core.batch import TreeBatch
 from vllm_esp.core.proposal import DraftTree
-from vllm_esp.core.sources import ProposalContext
 from vllm_esp.core.tree import TreeSpec
+from vllm_esp_dev.sources import ProposalContext
 
 
 class OracleSource:

@@ -22,9 +22,9 @@ from vllm_esp.core.batch import (
     select_chains_flat,
 )
 from vllm_esp.core.proposal import DraftTree, mask_candidates
-from vllm_esp.core.sources import ProposalContext, candidate_source
 from vllm_esp.core.tree import TreeSpec, block_layout
-from vllm_esp.core.verify import select_chain
+from vllm_esp_dev.sources import ProposalContext, candidate_source
+from vllm_esp_dev.verify import select_chain
 
 CONFIGS = [
     {"tree": [4], "candidates": ["esp"]},

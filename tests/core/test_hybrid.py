@@ -30,14 +30,14 @@ from vllm_esp.core.hybrid import (
     merge_candidates,
 )
 from vllm_esp.core.proposal import dynamic_next_tree, esp_candidates, select_tree
-from vllm_esp.core.sources import (
+from vllm_esp.core.tree import chain_tree
+from vllm_esp_dev.sources import (
     ESPMaskSource,
     HybridSource,
     PromptLookupSource,
     ProposalContext,
     candidate_source,
 )
-from vllm_esp.core.tree import chain_tree
 
 X, THE, CAT, SAT, DOT, IS, WAS = range(7)
 VOCAB = 10

@@ -9,9 +9,9 @@ from tiny_models import VOCAB_SIZE, get_model
 
 from vllm_esp.config import ESPConfig
 from vllm_esp.core.proposal import DraftTree
-from vllm_esp.core.sources import ProposalContext
 from vllm_esp.core.tree import TreeSpec, block_layout, chain_tree, static_tree
-from vllm_esp.reference import ReferenceDecoder
+from vllm_esp_dev.reference import ReferenceDecoder
+from vllm_esp_dev.sources import ProposalContext
 
 CONFIGS = {
     "[4]": ESPConfig(tree=(4,)),

@@ -9,14 +9,14 @@ import torch
 
 from vllm_esp.config import ESPConfig
 from vllm_esp.core.proposal import placeholder_tree, static_next_tree
-from vllm_esp.core.sources import (
+from vllm_esp.core.tree import chain_tree
+from vllm_esp_dev.sources import (
     CandidateSource,
     ESPMaskSource,
     PromptLookupSource,
     ProposalContext,
     find_ngram_continuation,
 )
-from vllm_esp.core.tree import chain_tree
 
 A, B, C, D, E, F = range(1, 7)
 

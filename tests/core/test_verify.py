@@ -10,7 +10,7 @@ import torch
 
 from vllm_esp.core.proposal import DraftTree
 from vllm_esp.core.tree import TreeSpec, chain_tree, static_tree
-from vllm_esp.core.verify import (
+from vllm_esp_dev.verify import (
     chain_rejection_sample,
     chain_verify_sampling,
     greedy_verify,

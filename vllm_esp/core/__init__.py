@@ -6,11 +6,14 @@
 * ``proposal``: the next draft tree from the mask rows' logits (static top-1
   expansion, dynamic best-first, the first-step placeholder).
 * ``mask_embedding``: the soft mask embedding's initialisation and EMA.
-* ``verify``: lossless greedy and sampling verification of a tree.
-* ``sources``: candidate sources behind one interface (ESP masks, prompt lookup).
+* ``batch``, ``hybrid``, ``goodput``: the batched proposal the engine runs
+  (the hybrid tree, the goodput allocation, block layouts, chain selection).
+* ``tree_walk``: the verification of sampled requests by walking the trees.
 
-``vllm_esp.reference`` runs all of it on Hugging Face transformers; the vLLM
-adapter runs the same functions inside vLLM's model runner.
+The per-request verification and candidate sources that the reference
+decoder (``vllm_esp_dev.reference``, on Hugging Face transformers) runs
+live in ``vllm_esp_dev`` (``verify``, ``sources``): the engine does not use
+them.
 """
 
 from vllm_esp.core.mask_embedding import (
@@ -27,12 +30,6 @@ from vllm_esp.core.proposal import (
                                           placeholder_tree,
                                           static_next_tree,
 )
-from vllm_esp.core.sources import (
-                                          CandidateSource,
-                                          ESPMaskSource,
-                                          PromptLookupSource,
-                                          ProposalContext,
-)
 from vllm_esp.core.tree import (
                                           BlockLayout,
                                           TreeSpec,
@@ -41,21 +38,11 @@ from vllm_esp.core.tree import (
                                           chain_tree,
                                           static_tree,
 )
-from vllm_esp.core.verify import (
-                                          VerifyResult,
-                                          chain_rejection_sample,
-                                          chain_verify_sampling,
-                                          greedy_verify,
-                                          sample_and_match,
-                                          select_chain,
-)
 
 __all__ = [
-    "BlockLayout", "CandidateSource", "DraftTree", "ESPMaskSource",
-    "MaskEmbeddingState", "PromptLookupSource", "ProposalContext", "TreeSpec",
-    "VerifyResult", "block_complexity", "block_layout", "chain_rejection_sample",
-    "chain_tree", "chain_verify_sampling", "dynamic_next_tree", "ema_update",
-    "ema_update_packed", "embedding_table_stats", "greedy_verify",
+    "BlockLayout", "DraftTree", "MaskEmbeddingState", "TreeSpec",
+    "block_complexity", "block_layout", "chain_tree", "dynamic_next_tree",
+    "ema_update", "ema_update_packed", "embedding_table_stats",
     "initial_mask_embedding", "next_tree", "placeholder_tree",
-    "sample_and_match", "select_chain", "static_next_tree", "static_tree",
+    "static_next_tree", "static_tree",
 ]

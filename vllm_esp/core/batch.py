@@ -645,7 +645,7 @@ def chains_kernel(parents, num_nodes, scores, score_starts, out_chains, out_leng
 
 def select_chains(trees: TreeBatch, child_scores: np.ndarray
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """Chain reduction for a batch (``core.verify.select_chain``): from the
+    """Chain reduction for a batch (``vllm_esp_dev.verify.select_chain``): from the
     root, repeatedly go to the child with the highest target score, lowest
     node index on ties. ``child_scores[b, t]`` is the target's score
     (logit) of node ``t``'s token at its parent's row. Returns the chains

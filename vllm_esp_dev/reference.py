@@ -49,14 +49,14 @@ import torch
 from vllm_esp.config import ESPConfig
 from vllm_esp.core.mask_embedding import MaskEmbeddingState, initial_mask_embedding
 from vllm_esp.core.proposal import DraftTree
-from vllm_esp.core.sources import (
+from vllm_esp.core.tree import chain_tree
+from vllm_esp_dev.sources import (
     CandidateSource,
     PromptLookupSource,
     ProposalContext,
     candidate_source,
 )
-from vllm_esp.core.tree import chain_tree
-from vllm_esp.core.verify import (
+from vllm_esp_dev.verify import (
     VerifyResult,
     chain_verify_sampling,
     greedy_verify,
@@ -384,7 +384,7 @@ def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def main(argv: Sequence[str] | None = None) -> None:
     """Compare ESP and prompt lookup with greedy decoding on one prompt.
 
-    ``python -m vllm_esp.reference --model PATH [--tree 29 | --block-complexity 30]``
+    ``python -m vllm_esp_dev.reference --model PATH [--tree 29 | --block-complexity 30]``
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
