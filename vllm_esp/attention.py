@@ -96,7 +96,14 @@ class ESPCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         if step is None or metadata.causal is not True or metadata.dynamic_causal is not None:
             return metadata
         with scope("esp: attention metadata"):
-            return self._split(metadata, step, common_attn_metadata)
+            try:
+                return self._split(metadata, step, common_attn_metadata)
+            except Exception as error:
+                # Plain causal attention for the whole batch: each block's
+                # root row still gets its true logits, and the runner emits
+                # only those and reports the error (ESPModelRunnerMixin._sample).
+                step.failure = error
+                return metadata
 
     def _split(self, metadata: CPUAttentionMetadata, step,
                common) -> ESPCPUAttentionMetadata:

@@ -39,6 +39,7 @@ import torch
 from vllm.v1.outputs import DraftTokenIds
 
 from vllm_esp.config import ESPConfig
+from vllm_esp.containment import Containment
 from vllm_esp.core.batch import (
     TreeBatch,
     TreeProposer,
@@ -260,6 +261,8 @@ class ESPProposer:
         # one pool per cache salt (a request searches its own salt's only).
         self.answer_cache = AnswerPools(config.lookup_cache_tokens)
         self.cache_salts: list[str | None] = [None] * slots
+        # Faults in ESP's own code, per phase (the runner reports its own).
+        self.containment = Containment()
 
     # ------------------------------------------------------------ engine glue
     def load_model(self, model) -> None:
@@ -340,7 +343,8 @@ class ESPProposer:
         self.free_slots = list(range(new - 1, old - 1, -1))
 
     def structured_in_batch(self, req_ids: list[str]) -> bool:
-        return bool(self.structured[self.slots(req_ids)].any())
+        slot_of = self.slot_of
+        return bool(self.structured[[slot_of[r] for r in req_ids if r in slot_of]].any())
 
     def tree_node_counts(self, req_ids: list[str], draft_lists: list[list[int]]
                          ) -> list[int]:
@@ -401,7 +405,11 @@ class ESPProposer:
         """Next blocks, aligned with ``runner.input_batch.req_ids``."""
         with scope("esp: propose"):
             req_ids = list(self.runner.input_batch.req_ids)
-            slots = self.slots(req_ids)
+            try:
+                slots = self.slots(req_ids)
+            except Exception:
+                self.containment.failed("the request slots", req_ids)
+                return [[] for _ in req_ids]
             active = np.fromiter((bool(s) for s in sampled_token_ids), np.bool_,
                                  len(req_ids)) & ~self.no_block[slots]
             try:
@@ -540,18 +548,32 @@ class ESPProposer:
         """A proposal error must not take the engine down: find the
         request(s) it comes from by proposing for each alone, and decode
         those without a block from now on (plain decoding, lossless)."""
-        logger.exception("ESP: the batched proposal failed; isolating the request")
+        failing = []
         for index in np.flatnonzero(active):
             one = np.zeros_like(active)
             one[index] = True
             try:
                 self._propose(req_ids, slots, one)
             except Exception:
-                logger.error("ESP: request %s falls back to plain decoding "
-                             "(its proposal fails)", req_ids[index], exc_info=True)
+                failing.append(req_ids[index])
                 self.no_block[slots[index]] = True
                 self.pending_drafts[slots[index]] = None
                 active[index] = False
+                self.containment.failed("the proposal", [req_ids[index]])
+        if not failing:
+            # The batch failed where each request alone does not: their
+            # blocks, proposed one by one, stand.
+            self.containment.failed("the batched proposal", [])
+
+    def stop_blocks(self, req_ids) -> None:
+        """These requests decode without blocks from now on (plain
+        decoding, lossless): ESP code failed for them."""
+        for req_id in req_ids:
+            slot = self.slot_of.get(req_id)
+            if slot is not None:
+                self.no_block[slot] = True
+                self.pending_drafts[slot] = None
+                self.has_candidates[slot] = False
 
     def _update_mask_embeddings(self, req_ids: list[str], slots: np.ndarray) -> None:
         """Initialise new requests' mask embeddings from their prompts and

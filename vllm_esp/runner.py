@@ -173,7 +173,12 @@ class ESPModelRunnerMixin:
 
     # ---------------------------------------------------------------- states
     def _update_states(self, scheduler_output):
-        self.drafter.drop(scheduler_output.finished_req_ids)
+        try:
+            self.drafter.drop(scheduler_output.finished_req_ids)
+        except Exception:
+            # Finished requests only: their slots may stay taken.
+            self.drafter.containment.failed("forgetting finished requests",
+                                            scheduler_output.finished_req_ids)
         return super()._update_states(scheduler_output)
 
     # ---------------------------------------------------------------- inputs
@@ -185,13 +190,31 @@ class ESPModelRunnerMixin:
         if spec_metadata is None:
             return logits_indices, spec_metadata, max_sampled
         with scope("esp: prepare inputs"):
-            step = self._esp_begin_step(scheduler_output, num_scheduled_tokens)
-            if step is None:
+            step = None
+            try:
+                step = self._esp_begin_step(scheduler_output, num_scheduled_tokens)
+                if step is None:
+                    return logits_indices, spec_metadata, max_sampled
+                esp_logits_indices = self._esp_logits_indices(spec_metadata, step)
+                self._esp_write_inputs(step)
+            except Exception:
+                # vLLM verifies the scheduled drafts as chains, causally:
+                # lossless whatever they hold.
+                if step is not None:
+                    self._esp_restore_chain_inputs(step)
+                self._esp_contain("the block inputs",
+                                  list(scheduler_output.scheduled_spec_decode_tokens))
                 return logits_indices, spec_metadata, max_sampled
-            logits_indices = self._esp_logits_indices(spec_metadata, step)
             self._esp_step = step
             self._esp_publish_step(step)
-        return logits_indices, spec_metadata, max_sampled
+        return esp_logits_indices, spec_metadata, max_sampled
+
+    def _esp_contain(self, phase: str, req_ids, error: BaseException | None = None) -> None:
+        """From an ``except`` block (or with its ``error``): ``req_ids``
+        decode without blocks from now on, and the failure is logged
+        (``vllm_esp.containment``)."""
+        self.drafter.stop_blocks(req_ids)
+        self.drafter.containment.failed(phase, req_ids, error)
 
     def _esp_publish_step(self, step: ESPStep | None) -> None:
         """Give this step's blocks to the runner's own attention metadata
@@ -231,18 +254,32 @@ class ESPModelRunnerMixin:
             row_starts=self.query_start_loc.np[batch_indices].astype(np.int64),
             root_positions=self.input_batch.num_computed_tokens_cpu[
                 batch_indices].astype(np.int64))
+        return step
+
+    def _esp_write_inputs(self, step: ESPStep) -> None:
+        """The blocks' rows get their tree positions, and mask rows the
+        request's soft embedding instead of a token's."""
         rows, positions = step.rows()
         self.positions[torch.from_numpy(rows)] = torch.from_numpy(positions).to(
             self.positions.dtype)
         mask_rows, mask_blocks = step.mask_rows()
         if mask_rows.size:
-            # Mask rows take the request's soft embedding instead of a token's.
             self.is_token_ids.np[mask_rows] = False
             mask_rows_t = torch.from_numpy(mask_rows)
             self.is_token_ids.gpu[mask_rows_t] = False
-            self.inputs_embeds.gpu[mask_rows_t] = drafter.mask_embeddings[
-                torch.from_numpy(slots[mask_blocks])].to(self.inputs_embeds.gpu)
-        return step
+            self.inputs_embeds.gpu[mask_rows_t] = self.drafter.mask_embeddings[
+                torch.from_numpy(step.slots[mask_blocks])].to(self.inputs_embeds.gpu)
+
+    def _esp_restore_chain_inputs(self, step: ESPStep) -> None:
+        """Undo ``_esp_write_inputs``: every row of the blocks back at its
+        chain position (vLLM's), and a token row."""
+        rows, _ = step.rows()
+        block = np.repeat(np.arange(step.num_blocks), step.layouts.num_rows.astype(np.int64))
+        positions = step.root_positions[block] + (rows - step.row_starts[block])
+        rows_t = torch.from_numpy(rows)
+        self.positions[rows_t] = torch.from_numpy(positions).to(self.positions.dtype)
+        self.is_token_ids.np[rows] = True
+        self.is_token_ids.gpu[rows_t] = True
 
     def _esp_logits_indices(self, spec_metadata, step: ESPStep) -> torch.Tensor:
         """Logits rows per request: tree nodes for ESP blocks (masks are
@@ -414,9 +451,34 @@ class ESPModelRunnerMixin:
         step = self._esp_step
         if step is None:
             if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+                self._esp_undrafted_steps += 1
                 return self._esp_sample_without_drafts(logits)
             return super()._sample(logits, spec_decode_metadata)
         self._esp_step = None
+        if step.failure is not None:  # plain causal attention ran (vllm_esp.attention)
+            self._esp_contain("the tree-attention metadata", self._esp_req_ids(step),
+                              step.failure)
+            return self._esp_roots_only(step, logits)
+        try:
+            return self._esp_verify(step, logits, spec_decode_metadata)
+        except Exception:
+            self._esp_contain("the verification", self._esp_req_ids(step))
+            return self._esp_roots_only(step, logits)
+
+    def _esp_req_ids(self, step: ESPStep) -> list[str]:
+        req_ids = self.input_batch.req_ids
+        return [req_ids[i] for i in step.batch_indices]
+
+    def _esp_roots_only(self, step: ESPStep, logits):
+        """Every request of the step emits one token, drawn from its first
+        logits row (for a block, its root's: the one row whose logits do not
+        depend on its tree), and accepts no draft: lossless after any
+        failure in the step's trees. Their KV beyond the root is never
+        committed."""
+        rows = torch.from_numpy(self._esp_logit_starts[:self.input_batch.num_reqs])
+        return self._esp_sample_without_drafts(logits[rows.to(logits.device)])
+
+    def _esp_verify(self, step: ESPStep, logits, spec_decode_metadata):
         sampling_metadata = self.input_batch.sampling_metadata
         if self._esp_walks(step, sampling_metadata):
             return self._esp_walk(step, logits, spec_decode_metadata, sampling_metadata)
@@ -462,7 +524,6 @@ class ESPModelRunnerMixin:
         step without drafts took 119 ms against plain vLLM's 102 ms. With
         no drafts its output is the Sampler's anyway (the bonus token), so
         this is the same tokens and logprobs without that work."""
-        self._esp_undrafted_steps += 1
         self.input_batch.update_async_output_token_ids()
         return self.sampler(logits=logits, sampling_metadata=self.input_batch.sampling_metadata)
 
@@ -521,14 +582,30 @@ class ESPModelRunnerMixin:
                                 logits: torch.Tensor) -> None:
         num_emitted = (sampler_output.sampled_token_ids >= 0).sum(dim=1).cpu().numpy()
         accepted = num_emitted[step.batch_indices] - 1  # drafts accepted per block
-        depth = np.arange(chains.shape[1])
-        # Node at depth d of the accepted path moves to the d-th slot after
-        # the root (nothing to do where it already is).
-        moves = (depth[None, :] <= accepted[:, None]) & (chains != depth[None, :])
-        block, moved_depth = np.nonzero(moves)
-        with scope("esp: relocate kv"):
-            self._relocate_kv(step, step.row_starts[block] + chains[block, moved_depth],
-                              step.row_starts[block] + moved_depth)
+        try:
+            depth = np.arange(chains.shape[1])
+            # Node at depth d of the accepted path moves to the d-th slot
+            # after the root (nothing to do where it already is).
+            moves = (depth[None, :] <= accepted[:, None]) & (chains != depth[None, :])
+            block, moved_depth = np.nonzero(moves)
+            with scope("esp: relocate kv"):
+                self._relocate_kv(step, step.row_starts[block] + chains[block, moved_depth],
+                                  step.row_starts[block] + moved_depth)
+        except Exception:
+            # The accepted nodes' K/V may not be where the next steps read
+            # it: keep only each block's first token (drawn at the root,
+            # whose K/V is in place) and drop the rest as rejected.
+            sampler_output.sampled_token_ids[torch.from_numpy(step.batch_indices), 1:] = -1
+            self._esp_contain("the KV relocation", self._esp_req_ids(step))
+            return
+        try:
+            self._esp_probe_masks(step, chains, accepted, logits)
+        except Exception:
+            # No candidates from this step's masks: the next trees come
+            # from lookup alone, or none.
+            self._esp_contain("the mask probe", self._esp_req_ids(step))
+
+    def _esp_probe_masks(self, step: ESPStep, chains, accepted, logits) -> None:
         last_node = chains[np.arange(step.num_blocks), accepted]
         k = self.drafter.num_mask_tokens
         # Blocks whose last accepted node carried masks: their logits give
@@ -578,9 +655,13 @@ class ESPModelRunnerMixin:
         drafts = super().take_draft_token_ids()
         if drafts is None:
             return None
-        return ESPDraftTokenIds(drafts.req_ids, drafts.draft_token_ids,
-                                self.drafter.tree_node_counts(drafts.req_ids,
-                                                              drafts.draft_token_ids))
+        try:
+            nodes = self.drafter.tree_node_counts(drafts.req_ids, drafts.draft_token_ids)
+        except Exception:
+            # vLLM's metrics then count every draft slot of these blocks.
+            self.drafter.containment.failed("the tree node counts", drafts.req_ids)
+            nodes = None
+        return ESPDraftTokenIds(drafts.req_ids, drafts.draft_token_ids, nodes)
 
 
 def chain_spec_decode_metadata(layout: ChainRows, device: torch.device

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
 
+from vllm_esp.containment import Containment
 from vllm_esp.proposer import CACHE_SALT_ARG, ESPDraftTokenIds
 
 
@@ -84,6 +85,9 @@ class ESPScheduler(Scheduler):
         self._esp_step_counts: dict[str, tuple[int, int]] = {}
         # Blocks dropped for lack of KV blocks (see _fit_drafts_to_free_kv).
         self.esp_dropped_blocks = 0
+        # ESP's bookkeeping here only counts and trims drafts: where it fails,
+        # vLLM's scheduler goes on as without it.
+        self.esp_containment = Containment()
 
     def add_request(self, request) -> None:
         # A session's later chunks keep the salt the session started with,
@@ -93,7 +97,12 @@ class ESPScheduler(Scheduler):
         super().add_request(request)
 
     def schedule(self, *args, **kwargs):
-        self._fit_drafts_to_free_kv()
+        try:
+            self._fit_drafts_to_free_kv()
+        except Exception:
+            # vLLM preempts for the drafts, as it would without ESP.
+            self.esp_containment.failed("fitting blocks to free KV",
+                                        [r.request_id for r in self.running])
         return super().schedule(*args, **kwargs)
 
     def _fit_drafts_to_free_kv(self) -> None:
@@ -136,6 +145,15 @@ class ESPScheduler(Scheduler):
         super().update_draft_token_ids(draft_token_ids)
         if not isinstance(draft_token_ids, ESPDraftTokenIds) or draft_token_ids.tree_nodes is None:
             return
+        try:
+            self._record_blocks(draft_token_ids)
+        except Exception:
+            # Their metrics count every draft slot this step.
+            for req_id in draft_token_ids.req_ids:
+                self._esp_blocks.pop(req_id, None)
+            self.esp_containment.failed("recording blocks", draft_token_ids.req_ids)
+
+    def _record_blocks(self, draft_token_ids: ESPDraftTokenIds) -> None:
         blocks = self._esp_blocks
         for req_id, drafts, nodes in zip(draft_token_ids.req_ids,
                                          draft_token_ids.draft_token_ids,
@@ -146,6 +164,20 @@ class ESPScheduler(Scheduler):
                 blocks.pop(req_id, None)
 
     def update_from_output(self, scheduler_output, model_runner_output):
+        try:
+            self._esp_step_counts = self._step_counts(scheduler_output)
+        except Exception:
+            self._esp_step_counts = {}
+            self.esp_containment.failed(
+                "counting tree nodes", list(scheduler_output.scheduled_spec_decode_tokens))
+        try:
+            return super().update_from_output(scheduler_output, model_runner_output)
+        finally:
+            self._esp_step_counts = {}
+
+    def _step_counts(self, scheduler_output) -> dict[str, tuple[int, int]]:
+        """Each block's scheduled draft slots and tree nodes this step, also
+        set on its request's metrics (``ESPRequestSpecDecodeMetrics``)."""
         counts = {}
         blocks = self._esp_blocks
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
@@ -167,11 +199,7 @@ class ESPScheduler(Scheduler):
             metrics.esp_step_slots, metrics.esp_step_nodes = counts[req_id]
         for req_id in scheduler_output.finished_req_ids:
             blocks.pop(req_id, None)
-        self._esp_step_counts = counts
-        try:
-            return super().update_from_output(scheduler_output, model_runner_output)
-        finally:
-            self._esp_step_counts = {}
+        return counts
 
     def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens,
                                  num_accepted_tokens, num_invalid_spec_tokens,

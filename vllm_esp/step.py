@@ -40,6 +40,10 @@ class ESPStep:
     # Whether the mask rows get logits in the main pass (set with the
     # logits rows, see vllm_esp.runner.FUSED_PROBE_EXTRA_ROWS).
     fused_probe: bool = False
+    # Set by the attention metadata builder when the tree-attention split
+    # failed: the forward then ran plain causal attention, and only the
+    # blocks' roots have valid logits (vllm_esp.containment).
+    failure: Exception | None = None
     # Filled after the forward.
     hidden_states: torch.Tensor | None = None
     slot_mappings: dict[str, torch.Tensor] | None = None
