@@ -34,6 +34,7 @@ from vllm_esp.config import ESPConfig, ESPConfigError
 from vllm_esp.patching import (
     apply_patch,
     check_vllm_version,
+    reach,
     shield_llvmlite_from_kernel_scan,
 )
 
@@ -145,6 +146,7 @@ def apply() -> None:
         def create_engine_config(self, *args, **kwargs):
             if is_esp_request(self.speculative_config):
                 check_vllm_version()
+                reach("engine args")
                 # An in-process worker scans this process's modules.
                 shield_llvmlite_from_kernel_scan()
                 translate_esp_engine_args(self, current_platform_name())
@@ -153,11 +155,4 @@ def apply() -> None:
         create_engine_config.__wrapped__ = original
         return create_engine_config
 
-    apply_patch(
-        "engine_args.create_engine_config",
-        EngineArgs,
-        "create_engine_config",
-        make_wrapper,
-        checked_on=("0.32.0",),
-        reason="accept speculative_config method 'esp' (closed Literal)",
-    )
+    apply_patch("engine args", EngineArgs, "create_engine_config", make_wrapper)

@@ -40,4 +40,7 @@ def expand_kernel_impl(output: torch.Tensor, input_val: torch.Tensor,
 def register() -> None:
     from vllm.triton_utils.dispatcher import register_kernels
 
+    from vllm_esp.patching import reach
+
+    reach("expand kernel")
     register_kernels({EXPAND_KERNEL: expand_kernel_impl})

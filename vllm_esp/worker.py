@@ -16,7 +16,7 @@ import time
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_esp.patching import check_vllm_version, shield_llvmlite_from_kernel_scan
+from vllm_esp.patching import check_vllm_version, reach, shield_llvmlite_from_kernel_scan
 
 logger = logging.getLogger("vllm.esp")
 
@@ -43,6 +43,7 @@ def register_tree_attention() -> None:
         _previous_cpu_attention_override = current
     # vLLM's CPU platform always resolves CPU_ATTN, so overriding its path is
     # the registry's supported way to swap the implementation.
+    reach("tree attention")
     register_backend(backend, ESP_CPU_ATTENTION_BACKEND)
     _forget_resolved_attention_backends()
 
@@ -127,6 +128,7 @@ def _cpu_runner_class(runner_cls):
     does). Rebind the global only while our own init_device runs."""
     from vllm.v1.worker import cpu_worker as cpu_worker_module
 
+    reach("runner class")
     original = cpu_worker_module.CPUModelRunner
     cpu_worker_module.CPUModelRunner = runner_cls
     try:
