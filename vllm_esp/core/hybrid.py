@@ -60,7 +60,7 @@ Worked example, a block of 8 rows, ``k = 1``, ``q = (0, .25, .45, .6, .7,
 
 With only ``"ngram"`` the tree is the first lookup chain (step 1) of
 up to ``block_size - 1`` tokens (no masks); with only ``"esp"`` the hybrid is not used
-(``candidate_source`` returns ``ESPMaskSource``). Merged nodes are verified
+(``core.batch.TreeProposer`` builds the paper's static or dynamic tree). Merged nodes are verified
 like any node, so the method stays lossless whatever the scores are; the
 scores only decide which candidates get the budget.
 """
