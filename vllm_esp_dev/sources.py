@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from vllm_esp.config import ESPConfig
-from vllm_esp.core.hybrid import find_ngram_matches, hybrid_next_tree
+from vllm_esp.core.batch import hybrid_next_tree
+from vllm_esp.core.hybrid import find_ngram_matches
 from vllm_esp.core.proposal import DraftTree, next_tree, placeholder_tree
 from vllm_esp.core.tree import chain_tree
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vllm_esp.config import ESPConfig, ESPConfigError
-from vllm_esp.core.batch import TreeProposer
+from vllm_esp.core.batch import TreeProposer, hybrid_next_tree
 from vllm_esp.core.goodput import SOURCE_CORPUS, SOURCE_LOOKUP
 from vllm_esp.core.hybrid import (
     LOOKUP_ACCEPT,
@@ -23,7 +23,6 @@ from vllm_esp.core.hybrid import (
     AnswerPools,
     allocate_block,
     find_ngram_matches,
-    hybrid_next_tree,
     lookup_candidates,
     lookup_chains,
     lookup_occurrences,

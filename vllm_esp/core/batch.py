@@ -61,6 +61,7 @@ from vllm_esp.core.proposal import (
     DraftTree,
     bfs_tree_kernel,
     esp_candidates_kernel,
+    mask_candidates,
     select_kernel,
     static_tree_kernel,
 )
@@ -319,6 +320,33 @@ def hybrid_tree(params: HybridParams, history: np.ndarray, root_token: int,
     spec = TreeSpec(tuple(out_parents[:size].tolist()), params.num_mask_tokens,
                     masked=masked)
     return DraftTree(spec, torch.from_numpy(out_tokens[:size].copy()))
+
+
+def hybrid_next_tree(token_ids: np.ndarray, root_token: int,
+                     mask_logits: torch.Tensor | None, block_size: int,
+                     num_mask_tokens: int, candidates: Sequence[str],
+                     esp_weight: float = ESP_WEIGHT,
+                     lookup_accept: Sequence[float] = LOOKUP_ACCEPT,
+                     mask_value: float = MASK_VALUE,
+                     ) -> DraftTree | None:
+    """The step's tree from the enabled ``candidates`` ("esp", "ngram"),
+    within ``block_size`` rows.
+
+    With "esp", nodes and ``num_mask_tokens`` masks per masked node share
+    the rows (``allocate_block``). With "ngram" alone the tree is prompt
+    lookup's chain of up to ``block_size - 1`` nodes, no masks. Returns None
+    when no source has a candidate (with "esp" enabled that is only a step
+    with no mask logits and no lookup match; ``HybridSource`` then uses
+    ESP's placeholder tree).
+    """
+    history = np.asarray(token_ids, dtype=np.int64)
+    params = HybridParams.make(block_size, num_mask_tokens, candidates,
+                               esp_weight, lookup_accept, mask_value)
+    cand_tokens = cand_log_probs = None
+    if mask_logits is not None and params.use_esp:
+        cand_tokens, cand_log_probs = mask_candidates(mask_logits, params.node_budget + 1)
+    return hybrid_tree(params, history, int(root_token), cand_tokens, cand_log_probs,
+                       vocab_size=None if mask_logits is None else mask_logits.shape[1])
 
 
 # ------------------------------------------------------------------- batch

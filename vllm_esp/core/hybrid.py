@@ -78,9 +78,7 @@ from numba import njit
 
 from vllm_esp.core.goodput import SOURCE_CORPUS, SOURCE_LOOKUP
 from vllm_esp.core.proposal import (
-    DraftTree,
     ScoredCandidates,
-    mask_candidates,
 )
 
 __all__ = [
@@ -95,7 +93,6 @@ __all__ = [
     "lookup_chains",
     "merge_candidates",
     "allocate_block",
-    "hybrid_next_tree",
 ]
 
 # Lookup matches the history's last token (a 1-gram) and ranks its earlier
@@ -727,35 +724,6 @@ def allocate_block(candidates: ScoredCandidates, block_size: int,
     masked = np.empty(count, np.bool_)
     gains = np.empty(max(int(block_size), 1), np.float64)
     num_kept = allocate_block_kernel(parents, scores, depths, count, int(block_size),
-                               int(num_mask_tokens), float(mask_value), kept, masked,
-                               gains)
+                                     int(num_mask_tokens), float(mask_value), kept, masked,
+                                     gains)
     return torch.from_numpy(kept[:num_kept].copy()), torch.from_numpy(masked)
-
-
-def hybrid_next_tree(token_ids: np.ndarray, root_token: int,
-                     mask_logits: torch.Tensor | None, block_size: int,
-                     num_mask_tokens: int, candidates: Sequence[str],
-                     esp_weight: float = ESP_WEIGHT,
-                     lookup_accept: Sequence[float] = LOOKUP_ACCEPT,
-                     mask_value: float = MASK_VALUE,
-                     ) -> DraftTree | None:
-    """The step's tree from the enabled ``candidates`` ("esp", "ngram"),
-    within ``block_size`` rows.
-
-    With "esp", nodes and ``num_mask_tokens`` masks per masked node share
-    the rows (``allocate_block``). With "ngram" alone the tree is prompt
-    lookup's chain of up to ``block_size - 1`` nodes, no masks. Returns None
-    when no source has a candidate (with "esp" enabled that is only a step
-    with no mask logits and no lookup match; ``HybridSource`` then uses
-    ESP's placeholder tree).
-    """
-    from vllm_esp.core.batch import HybridParams, hybrid_tree
-
-    history = np.asarray(token_ids, dtype=np.int64)
-    params = HybridParams.make(block_size, num_mask_tokens, candidates,
-                               esp_weight, lookup_accept, mask_value)
-    cand_tokens = cand_log_probs = None
-    if mask_logits is not None and params.use_esp:
-        cand_tokens, cand_log_probs = mask_candidates(mask_logits, params.node_budget + 1)
-    return hybrid_tree(params, history, int(root_token), cand_tokens, cand_log_probs,
-                       vocab_size=None if mask_logits is None else mask_logits.shape[1])
