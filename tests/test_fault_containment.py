@@ -116,3 +116,32 @@ def test_a_fault_in_each_phase_leaves_the_output_and_the_engine(
     assert "continue as plain decoding" in errors[0].getMessage()
     if names_requests:
         assert "requests - continue" not in errors[0].getMessage()
+
+
+def test_a_kv_relocation_fault_keeps_only_each_blocks_first_token(
+        smollm2_dir, prompts, plain, monkeypatch):
+    """Where the KV relocation fails, the accepted nodes' K/V is not where
+    the next steps read it: the runner must keep only each block's first
+    token. An oracle puts the true next token among 4 siblings at a random
+    position, so that accepted nodes need moving; the copy is skipped in
+    every step from the second on. Outputs equal plain vLLM's only if the
+    tokens after the first were dropped."""
+    from vllm import SamplingParams
+
+    from vllm_esp.runner import ESPModelRunnerMixin
+
+    oracle = {"class": "vllm_esp_dev.oracle.OracleSource",
+              "kwargs": {"continuations": [[p, o] for p, o in zip(prompts, plain.token_ids)],
+                         "vocab_size": 49152, "seed": 1}}
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = make_llm(smollm2_dir, {"method": "esp", "tree": [4], "candidates": ["esp"]},
+                   max_num_seqs=8, additional_config={"esp_candidate_source": oracle})
+    try:
+        counts = inject_fault(monkeypatch, ESPModelRunnerMixin, "_relocate_kv",
+                              calls=range(2, 10_000))
+        esp = generate(llm, prompts, params, label="esp")
+    finally:
+        shutdown(llm)
+    assert counts["raised"] >= 1
+    assert esp.num_accepted > 0
+    assert esp.token_ids == plain.token_ids
