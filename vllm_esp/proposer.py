@@ -343,8 +343,12 @@ class ESPProposer:
         self.free_slots = list(range(new - 1, old - 1, -1))
 
     def structured_in_batch(self, req_ids: list[str]) -> bool:
-        slot_of = self.slot_of
-        return bool(self.structured[[slot_of[r] for r in req_ids if r in slot_of]].any())
+        """Whether a request of the batch has structured output (requests
+        new this step have no slot yet: read their sampling params)."""
+        slot_of, requests = self.slot_of, self.runner.requests
+        return any(bool(self.structured[slot_of[r]]) if r in slot_of
+                   else has_sampling_param(requests[r], "structured_outputs")
+                   for r in req_ids)
 
     def tree_node_counts(self, req_ids: list[str], draft_lists: list[list[int]]
                          ) -> list[int]:
