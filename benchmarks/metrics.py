@@ -508,6 +508,15 @@ def temperature_label(temperature: float) -> str:
     return f"T{temperature:g}" if temperature else ""
 
 
+def add_sampling_arguments(parser, temperature_help: str) -> None:
+    """``--temperature T [T ...]`` (into ``temperatures``) and ``--top-p``,
+    as every benchmark takes them."""
+    parser.add_argument("--temperature", dest="temperatures", type=float, nargs="+",
+                        default=[0.0], metavar="T", help=temperature_help)
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus sampling of sampled requests (T > 0)")
+
+
 @dataclass(frozen=True)
 class Decoding:
     """How the requests of one pass decode. Greedy (temperature 0) sends

@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.metrics import add_sampling_arguments
 from benchmarks.step_profile import PARTS
 
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
@@ -337,12 +338,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="bundled model name or a Hugging Face folder")
     parser.add_argument("--dtype", default="float32",
                         help="model dtype (float32, bfloat16), named in the table and JSON")
-    parser.add_argument("--temperature", dest="temperatures", type=float, nargs="+",
-                        default=[0.0], metavar="T",
-                        help="the requests' sampling temperature(s), 0 = greedy; "
-                        "several run one after the other")
-    parser.add_argument("--top-p", type=float, default=1.0,
-                        help="nucleus sampling of sampled requests (T > 0)")
+    add_sampling_arguments(parser, "the requests' sampling temperature(s), 0 = greedy; "
+                           "several run one after the other")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 10, 30])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.metrics import temperature_label
+from benchmarks.metrics import add_sampling_arguments, temperature_label
 from vllm_esp.core.goodput import SOURCE_CORPUS, SOURCE_ESP, SOURCE_LOOKUP
 
 # vLLM's runner phases, then ESP's (absent for other methods).
@@ -204,12 +204,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--skip-per-category", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--temperature", dest="temperatures", type=float, nargs="+",
-                        default=[0.0], metavar="T",
-                        help="sampling temperature(s), 0 = greedy, run one after the "
-                        "other; sampled requests force ignore_eos and get a seed each")
-    parser.add_argument("--top-p", type=float, default=1.0,
-                        help="nucleus sampling of sampled requests (T > 0)")
+    add_sampling_arguments(parser, "sampling temperature(s), 0 = greedy, run one after the "
+                           "other; sampled requests force ignore_eos and get a seed each")
     parser.add_argument("--seed", type=int, default=0,
                         help="sampled requests' seeds: seed * 100003 + prompt index")
     parser.add_argument("--rounds", type=int, default=2)

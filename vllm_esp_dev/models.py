@@ -261,18 +261,19 @@ _GLOBAL_TENSORS = {
     "output_norm": "model.norm",
     "output": "lm_head",  # absent when embeddings are tied
 }
+_LLAMA_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 _LAYER_TENSORS = {
-    "llama": {
-        "attn_norm": "input_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_norm": "post_attention_layernorm",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-    },
+    "llama": _LLAMA_LAYER_TENSORS,
     "gemma3": {
         "attn_norm": "input_layernorm",
         "attn_q": "self_attn.q_proj",
@@ -293,17 +294,7 @@ _LAYER_TENSORS = {
     # Llama's names; Qwen2's q/k/v biases ("blk.N.attn_q.bias") map through
     # the same keys. llama.cpp uses the NeoX rotation for Qwen2, so its
     # converter does not permute Q/K rows: nothing to undo.
-    "qwen2": {
-        "attn_norm": "input_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_norm": "post_attention_layernorm",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-    },
+    "qwen2": _LLAMA_LAYER_TENSORS,
 }
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(_LAYER_TENSORS)
