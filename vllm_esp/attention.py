@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
@@ -123,34 +124,44 @@ class ESPCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             return ESPCPUAttentionMetadata(
                 **{name: getattr(metadata, name) for name in metadata.__dataclass_fields__},
                 tree=tree)
-        blocks = torch.as_tensor(step.batch_indices)  # int64, ascending
-        query_lens = query_start_loc[1:] - query_start_loc[:-1]
-        is_block = torch.zeros(num_reqs, dtype=torch.bool)
+        # The split's bookkeeping in numpy over the CPU tensors' memory: a
+        # few dozen small torch ops here cost more than the rest of the
+        # builder.
+        starts = query_start_loc.numpy()
+        query_lens = starts[1:num_reqs + 1] - starts[:num_reqs]
+        is_block = np.zeros(num_reqs, np.bool_)
+        blocks = np.asarray(step.batch_indices)  # ascending
         is_block[blocks] = True
         # One-row queries (plain decodes beside the blocks) are 1-row blocks
         # to the tree kernel: a step then runs one attention kernel per
         # layer, not two, and gathers nothing for vLLM's.
         is_decode = ~is_block & (query_lens == 1)
-        decodes = torch.nonzero(is_decode).flatten()
-        num_decodes, max_rows = decodes.numel(), step.tree_masks.shape[1]
-        decode_masks = torch.zeros(num_decodes, max_rows, max_rows, dtype=torch.bool)
-        decode_masks[:, 0, 0] = True
-        tree_requests = torch.cat([blocks, decodes])
-        num_rows = torch.cat([step.num_rows,
-                              torch.ones(num_decodes, dtype=step.num_rows.dtype)])
+        decodes = np.flatnonzero(is_decode)
+        tree_requests = np.concatenate([blocks, decodes])
+        num_blocks, num_trees = blocks.shape[0], tree_requests.shape[0]
+        block_masks = step.tree_masks.numpy()
+        block_offsets = step.position_offsets.numpy()
+        max_rows = block_masks.shape[1]
+        tree_masks = np.zeros((num_trees, max_rows, max_rows), np.bool_)
+        tree_masks[:num_blocks] = block_masks
+        tree_masks[num_blocks:, 0, 0] = True
+        position_offsets = np.zeros((num_trees, max_rows), block_offsets.dtype)
+        position_offsets[:num_blocks] = block_offsets
+        num_rows = np.ones(num_trees, np.int32)
+        num_rows[:num_blocks] = step.num_rows.numpy()
         tree = TreeAttentionMetadata(
-            block_tables=metadata.block_table[tree_requests],
-            row_starts=query_start_loc[tree_requests],
-            num_rows=num_rows,
-            prefix_lens=(seq_lens[tree_requests] - num_rows).to(torch.int32),
-            tree_masks=torch.cat([step.tree_masks, decode_masks]),
-            position_offsets=torch.cat([step.position_offsets, torch.zeros(
-                num_decodes, max_rows, dtype=step.position_offsets.dtype)]),
+            block_tables=metadata.block_table[torch.from_numpy(tree_requests)],
+            row_starts=torch.from_numpy(starts[tree_requests]),
+            num_rows=torch.from_numpy(num_rows),
+            prefix_lens=torch.from_numpy(
+                (seq_lens.numpy()[tree_requests] - num_rows).astype(np.int32)),
+            tree_masks=torch.from_numpy(tree_masks),
+            position_offsets=torch.from_numpy(position_offsets),
         )
         plain = plain_rows = None
-        plain_requests = torch.nonzero(~(is_block | is_decode)).flatten()
+        plain_requests = torch.from_numpy(np.flatnonzero(~(is_block | is_decode)))
         if plain_requests.numel():
-            query_lens = query_lens[plain_requests]
+            query_lens = torch.from_numpy(query_lens)[plain_requests]
             plain_query_start = torch.zeros(plain_requests.numel() + 1, dtype=torch.int32)
             torch.cumsum(query_lens, 0, out=plain_query_start[1:])
             plain_rows = torch.repeat_interleave(

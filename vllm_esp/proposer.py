@@ -43,7 +43,6 @@ from vllm_esp.containment import Containment
 from vllm_esp.core.batch import (
     TreeBatch,
     TreeProposer,
-    block_layouts,
     chain_rows,
     child_score_indices,
     select_chains_flat,
@@ -59,6 +58,7 @@ from vllm_esp.core.goodput import (
     reach_band_labels,
     sampling_band_labels,
     sampling_bands,
+    tally_verification,
 )
 from vllm_esp.core.hybrid import MASK_VALUE, AnswerPools
 from vllm_esp.core.mask_embedding import (
@@ -68,6 +68,7 @@ from vllm_esp.core.mask_embedding import (
     table_stats_from_sums,
 )
 from vllm_esp.profiling import scope
+from vllm_esp.step import ESPStep
 
 # Under "vllm." so that vLLM's logging configuration (format, level,
 # VLLM_LOGGING_LEVEL) applies to ESP's messages too.
@@ -127,16 +128,16 @@ class AutoStats:
         self.accepted_by_source = np.zeros(NUM_SOURCES, np.int64)
 
     def blocks(self, block_sizes: np.ndarray, accepted: np.ndarray, num_nodes: np.ndarray,
-               drafted_sources: np.ndarray, accepted_sources: np.ndarray) -> None:
+               drafted_by_source: np.ndarray, accepted_by_source: np.ndarray) -> None:
         """One step's verified blocks: their sizes (rows), drafts accepted
         per block, their tree nodes (the rest of a block's rows are mask
-        rows), and the sources of the drafted and of the accepted nodes."""
+        rows), and the drafted and the accepted nodes per source."""
         self.num_blocks += int(block_sizes.shape[0])
         self.block_rows += int(block_sizes.sum())
         self.accepted += int(accepted.sum())
         self.mask_rows += int((block_sizes - num_nodes).sum())
-        self.drafted_by_source += np.bincount(drafted_sources, minlength=NUM_SOURCES)
-        self.accepted_by_source += np.bincount(accepted_sources, minlength=NUM_SOURCES)
+        self.drafted_by_source += drafted_by_source
+        self.accepted_by_source += accepted_by_source
 
     def step(self, rows: int, proposer: ESPProposer) -> None:
         self.num_steps += 1
@@ -278,20 +279,24 @@ class ESPProposer:
         """Compile the per-step numba kernels at engine start-up rather than
         in the first requests: on a fresh install that takes about 20 s,
         after which numba's on-disk cache serves them. One proposal, block
-        layout, chain selection and chain layout for a synthetic request, with the
-        engine's own buffers and dtypes; no request state is touched."""
+        layout, chain selection, chain layout and calibration tally for a
+        synthetic request, with the engine's own buffers and dtypes; no
+        request state is touched."""
         ends = np.full(1, min(8, self.runner.input_batch.token_ids_cpu.shape[1]), np.int64)
         trees = self._propose_trees(
             np.zeros(1, np.int64), np.zeros(1, np.int64), ends,
             np.zeros_like(self.cand_tokens[:1]), np.zeros_like(self.cand_log_probs[:1]),
             np.ones(1, np.bool_), num_requests=1)
-        block_layouts(trees)
+        zero = np.zeros(1, np.int64)
+        ESPStep.build(zero, zero, trees, row_starts=zero, root_positions=zero).rows()
         rows, _ = child_score_indices(trees, np.zeros(1, np.int64))
         chains, lengths = select_chains_flat(trees, np.zeros(rows.shape[0], np.float32))
         num_drafts = np.maximum(trees.num_nodes - 1, 0)
         chain_rows(np.zeros(1, np.int64), np.zeros(1, np.int64), num_drafts,
                    np.zeros(int(num_drafts.sum()), np.int64), chains, lengths,
                    trees.tokens, in_place=True)
+        tally_verification(trees.num_nodes, trees.sources, trees.reach, chains,
+                           np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.bool_))
 
     def slots(self, req_ids: list[str]) -> np.ndarray:
         """Slots of ``req_ids``, assigning free ones to new requests."""
@@ -517,7 +522,9 @@ class ESPProposer:
         accepted node carried masks, so it seeds the next ESP candidates."""
         if trees.reach is None:
             return
-        drafted, on_path = trees.verification_outcomes(chains, accepted)
+        bands = self.sampling_band[slots]
+        tally = tally_verification(trees.num_nodes, trees.sources, trees.reach, chains,
+                                   accepted, bands, probed)
         block_sizes = trees.block_sizes()
         price = None
         if self.cost_model is not None and trees.num_mask_tokens > 0:
@@ -525,21 +532,16 @@ class ESPProposer:
             requests = int(has_block.sum())
             price = self.cost_model.row_price(int(block_sizes.sum()), requests,
                                               requests + int(accepted[has_block].sum()))
-        esp = drafted & (trees.sources == SOURCE_ESP)
-        bands = self.sampling_band[slots]
-        for band in np.unique(bands):
-            blocks = bands == band
-            band_drafted = drafted[blocks]
-            self.calibration.acceptance[band].observe(
-                trees.sources[blocks][band_drafted].astype(np.int64),
-                trees.reach[blocks][band_drafted].astype(np.float64),
-                on_path[blocks][band_drafted])
+        for band in np.flatnonzero(tally.present):
+            if tally.drafted[band]:
+                self.calibration.acceptance[band].add(tally.predicted[band],
+                                                      tally.accepted[band])
             if price is not None:
                 self.calibration.mask[band].observe(
-                    int(probed[blocks].sum()), int((esp & on_path)[blocks].sum()),
-                    int(esp[blocks].sum()), price)
+                    int(tally.probed[band]), int(tally.esp_accepted[band]),
+                    int(tally.esp_drafted[band]), price)
         self.stats.blocks(block_sizes, accepted, trees.num_nodes,
-                          trees.sources[drafted], trees.sources[on_path])
+                          tally.drafted_by_source, tally.accepted_by_source)
 
     def observe_step(self, rows: int, seconds: float, requests: int) -> None:
         """One decode step's measured time (``rows`` in its forward, of

@@ -209,6 +209,23 @@ class ESPModelRunnerMixin:
             self._esp_publish_step(step)
         return esp_logits_indices, spec_metadata, max_sampled
 
+    def _preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors=None):
+        # The input-embeddings path costs a gather and a scatter of every
+        # row's embedding per step; only mask rows and requests whose
+        # prompt came as embeddings need it. Any other step takes vLLM's
+        # token-id path, as without ESP (the same embedding function).
+        step = self._esp_step
+        if ((step is not None and step.has_mask_rows)
+                or self.input_batch.req_prompt_embeds):
+            return super()._preprocess(scheduler_output, num_input_tokens,
+                                       intermediate_tensors)
+        self.enable_prompt_embeds = False
+        try:
+            return super()._preprocess(scheduler_output, num_input_tokens,
+                                       intermediate_tensors)
+        finally:
+            self.enable_prompt_embeds = True
+
     def _esp_contain(self, phase: str, req_ids, error: BaseException | None = None) -> None:
         """From an ``except`` block (or with its ``error``): ``req_ids``
         decode without blocks from now on, and the failure is logged

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numba import njit
 
 from vllm_esp.core.batch import BlockLayouts, TreeBatch, block_layouts
 
@@ -47,6 +48,8 @@ class ESPStep:
     # Filled after the forward.
     hidden_states: torch.Tensor | None = None
     slot_mappings: dict[str, torch.Tensor] | None = None
+    # rows() and mask_rows(), computed once.
+    _rows: tuple[np.ndarray, ...] | None = None
 
     @classmethod
     def build(cls, batch_indices: np.ndarray, slots: np.ndarray, trees: TreeBatch,
@@ -65,25 +68,48 @@ class ESPStep:
         )
 
     @property
+    def has_mask_rows(self) -> bool:
+        """Whether a block has mask rows (rows fed an embedding)."""
+        return bool((self.layouts.num_rows > self.trees.num_nodes).any())
+
+    @property
     def num_blocks(self) -> int:
         return int(self.batch_indices.shape[0])
 
     def rows(self) -> tuple[np.ndarray, np.ndarray]:
         """Flat rows of every block row and their positions (block after block)."""
-        num_rows = self.layouts.num_rows.astype(np.int64)
-        block = np.repeat(np.arange(self.num_blocks), num_rows)
-        within = np.arange(block.shape[0]) - np.repeat(np.cumsum(num_rows) - num_rows,
-                                                       num_rows)
-        rows = self.row_starts[block] + within
-        positions = (self.root_positions[block]
-                     + self.layouts.position_offsets[block, within])
+        rows, positions, _, _ = self._flat_rows()
         return rows, positions
 
     def mask_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """Flat rows of every mask row and the block each belongs to."""
-        num_nodes = self.trees.num_nodes
-        block, within = np.nonzero(
-            np.arange(self.layouts.position_offsets.shape[1])[None, :] >= num_nodes[:, None])
-        inside = within < self.layouts.num_rows[block]
-        block, within = block[inside], within[inside]
-        return self.row_starts[block] + within, block
+        _, _, mask_rows, mask_blocks = self._flat_rows()
+        return mask_rows, mask_blocks
+
+    def _flat_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        if self._rows is None:
+            num_rows = self.layouts.num_rows
+            total = int(num_rows.sum())
+            num_masks = total - int(self.trees.num_nodes.sum())
+            self._rows = (np.empty(total, np.int64), np.empty(total, np.int64),
+                          np.empty(num_masks, np.int64), np.empty(num_masks, np.int64))
+            flat_rows_kernel(num_rows, self.trees.num_nodes, self.row_starts,
+                             self.root_positions, self.layouts.position_offsets, *self._rows)
+        return self._rows
+
+
+@njit(cache=True)
+def flat_rows_kernel(num_rows, num_nodes, row_starts, root_positions, position_offsets,
+                     out_rows, out_positions, out_mask_rows, out_mask_blocks):
+    """Every block row's flat row and position, and every mask row (a
+    block's rows after its ``num_nodes`` tree nodes) with its block."""
+    row = mask = 0
+    for block in range(num_rows.shape[0]):
+        for within in range(num_rows[block]):
+            out_rows[row] = row_starts[block] + within
+            out_positions[row] = root_positions[block] + position_offsets[block, within]
+            row += 1
+            if within >= num_nodes[block]:
+                out_mask_rows[mask] = row_starts[block] + within
+                out_mask_blocks[mask] = block
+                mask += 1

@@ -21,6 +21,16 @@ from vllm_esp.core.batch import (
     select_chains,
     select_chains_flat,
 )
+from vllm_esp.core.goodput import (
+    NUM_REACH_BUCKETS,
+    NUM_SAMPLING_BANDS,
+    NUM_SOURCES,
+    SOURCE_CORPUS,
+    SOURCE_ESP,
+    SOURCE_LOOKUP,
+    reach_buckets,
+    tally_verification,
+)
 from vllm_esp.core.proposal import DraftTree, mask_candidates
 from vllm_esp.core.tree import TreeSpec, block_layout
 from vllm_esp_dev.sources import ProposalContext, candidate_source
@@ -266,23 +276,88 @@ def test_requests_without_a_tree_get_no_rows_and_no_chain():
                 == reference_chains[tree_index, :reference_lengths[tree_index]].tolist())
 
 
-def test_verification_outcomes_name_the_drafted_and_the_accepted_nodes():
-    # Block 0: root -> a -> b, root -> c; masks on the root and on a.
-    # Block 1: no tree. Block 2: root -> d, masks on d only.
-    parents = np.array([[-1, 0, 1, 0], [-1, -1, -1, -1], [-1, 0, -1, -1]])
-    masked = np.array([[True, True, False, False], [False] * 4,
-                       [False, True, False, False]])
-    trees = TreeBatch(parents, np.zeros((3, 4), np.int64), masked,
-                      np.array([4, 0, 2]), num_mask_tokens=2)
+def test_tally_names_the_drafted_and_the_accepted_nodes_per_band_and_source():
+    # Block 0 (greedy): root -> a (ESP) -> b (lookup), root -> c (lookup).
+    # Block 1 (band 2): no tree. Block 2 (band 2): root -> d (cached answers).
+    sources = np.array([[0, SOURCE_ESP, SOURCE_LOOKUP, SOURCE_LOOKUP], [0] * 4,
+                        [0, SOURCE_CORPUS, 0, 0]], np.int8)
+    reach = np.array([[1.0, 0.6, 0.3, 0.05], [0.0] * 4, [1.0, 0.15, 0.0, 0.0]], np.float32)
     chains = np.array([[0, 1, 2, 0], [0, 0, 0, 0], [0, 1, 0, 0]])
+    bands = np.array([0, 2, 2])
+    num_nodes = np.array([4, 0, 2])
 
-    # a accepted, b rejected.
-    drafted, on_path = trees.verification_outcomes(chains, np.array([1, 0, 0]))
-    assert drafted.tolist() == [[False, True, True, True], [False] * 4,
-                                [False, True, False, False]]
-    assert on_path.tolist() == [[False, True, False, False], [False] * 4, [False] * 4]
+    # a accepted, b rejected; d rejected; block 0's last node had masks.
+    tally = tally_verification(num_nodes, sources, reach, chains, np.array([1, 0, 0]),
+                               bands, np.array([True, False, False]))
+    assert tally.present.tolist() == [True, False, True, False]
+    assert tally.drafted.tolist() == [3, 0, 1, 0]
+    assert tally.probed.tolist() == [1, 0, 0, 0]
+    assert tally.esp_drafted.tolist() == [1, 0, 0, 0]
+    assert tally.esp_accepted.tolist() == [1, 0, 0, 0]
+    assert tally.drafted_by_source.tolist() == [1, 2, 1]
+    assert tally.accepted_by_source.tolist() == [1, 0, 0]
+    # Cells of prior reach: 0.6 -> the last, 0.3 -> the third, 0.05 -> the
+    # first, 0.15 -> the second.
+    assert tally.predicted[0, SOURCE_ESP].tolist() == pytest.approx([0, 0, 0, 0, 0.6])
+    assert tally.predicted[0, SOURCE_LOOKUP].tolist() == pytest.approx([0.05, 0, 0.3, 0, 0])
+    assert tally.predicted[2, SOURCE_CORPUS].tolist() == pytest.approx([0, 0.15, 0, 0, 0])
+    assert tally.accepted[0, SOURCE_ESP].tolist() == [0, 0, 0, 0, 1]
+    assert tally.accepted.sum() == 1
 
     # Both accepted in block 0, d accepted in block 2.
-    _, on_path = trees.verification_outcomes(chains, np.array([2, 0, 1]))
-    assert on_path.tolist() == [[False, True, True, False], [False] * 4,
-                                [False, True, False, False]]
+    tally = tally_verification(num_nodes, sources, reach, chains, np.array([2, 0, 1]),
+                               bands, np.zeros(3, np.bool_))
+    assert tally.accepted_by_source.tolist() == [1, 1, 1]
+    assert tally.accepted[2, SOURCE_CORPUS, 1] == 1
+
+
+def test_tally_matches_per_node_numpy_counts_on_random_trees():
+    """The compiled tally against the per-node numpy computation it
+    replaced (drafted and on-path masks, then bincounts per band)."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        batch, width = int(rng.integers(1, 9)), int(rng.integers(1, 10))
+        num_nodes = rng.integers(0, width + 1, batch)
+        sources = rng.integers(0, NUM_SOURCES, (batch, width)).astype(np.int8)
+        reach = rng.random((batch, width)).astype(np.float32)
+        chains = np.zeros((batch, width), np.int64)
+        accepted = np.zeros(batch, np.int64)
+        for block in range(batch):
+            path = rng.permutation(np.arange(1, max(num_nodes[block], 1)))
+            depth = int(rng.integers(0, path.size + 1))
+            chains[block, 1:1 + depth] = path[:depth]
+            accepted[block] = rng.integers(0, depth + 1)
+        bands = rng.integers(0, NUM_SAMPLING_BANDS, batch)
+        probed = rng.random(batch) < 0.5
+
+        tally = tally_verification(num_nodes, sources, reach, chains, accepted, bands,
+                                   probed)
+
+        drafted = np.arange(width)[None, :] < num_nodes[:, None]
+        drafted[:, 0] = False
+        on_path = np.zeros_like(drafted)
+        for block in range(batch):
+            on_path[block, chains[block, 1:accepted[block] + 1]] = True
+        cells = (sources.astype(np.int64) * NUM_REACH_BUCKETS
+                 + reach_buckets(reach.astype(np.float64)))
+        size = NUM_SOURCES * NUM_REACH_BUCKETS
+        for band in range(NUM_SAMPLING_BANDS):
+            rows = (bands == band)[:, None] & drafted
+            assert tally.present[band] == (bands == band).any()
+            assert tally.drafted[band] == rows.sum()
+            np.testing.assert_allclose(
+                tally.predicted[band].ravel(),
+                np.bincount(cells[rows], weights=reach[rows].astype(np.float64),
+                            minlength=size), rtol=1e-12)
+            np.testing.assert_array_equal(
+                tally.accepted[band].ravel(),
+                np.bincount(cells[rows & on_path], minlength=size))
+            assert tally.probed[band] == probed[bands == band].sum()
+            esp = rows & (sources == SOURCE_ESP)
+            assert tally.esp_drafted[band] == esp.sum()
+            assert tally.esp_accepted[band] == (esp & on_path).sum()
+        np.testing.assert_array_equal(
+            tally.drafted_by_source, np.bincount(sources[drafted], minlength=NUM_SOURCES))
+        np.testing.assert_array_equal(
+            tally.accepted_by_source,
+            np.bincount(sources[drafted & on_path], minlength=NUM_SOURCES))

@@ -133,22 +133,6 @@ class TreeBatch:
                         masked=None if all(masked) else masked)
         return DraftTree(spec, torch.from_numpy(self.tokens[i, :size].copy()))
 
-    def verification_outcomes(self, chains: np.ndarray, accepted: np.ndarray
-                              ) -> tuple[np.ndarray, np.ndarray]:
-        """What verification made of these trees (``chains[i, d]``: the
-        node at depth ``d`` of block ``i``'s chosen chain, ``accepted[i]``
-        of them accepted): ``drafted`` ``[B, T]`` (the nodes other than
-        roots) and ``on_path`` ``[B, T]`` (drafted and accepted)."""
-        width = self.parents.shape[1]
-        drafted = np.arange(width)[None, :] < self.num_nodes[:, None]
-        drafted[:, 0] = False
-        on_path = np.zeros_like(drafted)
-        depth = np.arange(chains.shape[1])
-        block, position = np.nonzero((depth[None, :] >= 1)
-                                     & (depth[None, :] <= accepted[:, None]))
-        on_path[block, chains[block, position]] = True
-        return drafted, on_path
-
     def block_sizes(self) -> np.ndarray:
         """Q per request: nodes plus k rows per masked node (0: no tree)."""
         masked_nodes = (self.masked & (np.arange(self.masked.shape[1]) <

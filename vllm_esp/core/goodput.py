@@ -64,7 +64,7 @@ import numpy as np
 from numba import njit
 
 __all__ = ["StepCostModel", "AcceptanceCalibration", "MaskValueCalibration", "StepBudget",
-           "SamplingCalibration",
+           "SamplingCalibration", "VerificationTally", "tally_verification",
            "allocate_rows", "sampling_bands", "sampling_band_labels", "NUM_SAMPLING_BANDS",
            "GREEDY_BAND",
            "SOURCE_ESP", "SOURCE_LOOKUP", "SOURCE_CORPUS", "NUM_SOURCES", "REACH_EDGES",
@@ -406,6 +406,89 @@ def cost_fit_update(gram, moment, forgetting, rows, requests, drafted, seconds, 
     return True
 
 
+@dataclass
+class VerificationTally:
+    """One step's verified blocks, counted per sampling band for the
+    calibrations and per source for the log (:func:`tally_verification`)."""
+
+    present: np.ndarray      # [NUM_SAMPLING_BANDS] bool: a block of the band
+    drafted: np.ndarray      # [NUM_SAMPLING_BANDS] drafted nodes
+    predicted: np.ndarray    # [NUM_SAMPLING_BANDS, NUM_SOURCES, NUM_REACH_BUCKETS]
+    accepted: np.ndarray     # same: drafted nodes on the accepted path
+    probed: np.ndarray       # [NUM_SAMPLING_BANDS] blocks whose last node had masks
+    esp_drafted: np.ndarray  # [NUM_SAMPLING_BANDS] ESP-sourced drafted nodes
+    esp_accepted: np.ndarray  # [NUM_SAMPLING_BANDS] of them accepted
+    drafted_by_source: np.ndarray   # [NUM_SOURCES]
+    accepted_by_source: np.ndarray  # [NUM_SOURCES]
+
+
+@njit(cache=True)
+def tally_verification_kernel(num_nodes, sources, reach, chains, accepted, bands, probed,
+                              edges, out_present, out_drafted, out_predicted, out_accepted,
+                              out_probed, out_esp_drafted, out_esp_accepted,
+                              out_drafted_by_source, out_accepted_by_source):
+    width = sources.shape[1]
+    on_path = np.zeros(width, np.bool_)
+    for block in range(num_nodes.shape[0]):
+        band = bands[block]
+        out_present[band] = True
+        if probed[block]:
+            out_probed[band] += 1
+        on_path[:] = False
+        for depth in range(1, min(accepted[block], chains.shape[1] - 1) + 1):
+            on_path[chains[block, depth]] = True
+        for node in range(1, num_nodes[block]):
+            source = sources[block, node]
+            estimate = reach[block, node]
+            bucket = 0
+            while bucket < edges.shape[0] and estimate >= edges[bucket]:
+                bucket += 1
+            out_drafted[band] += 1
+            out_drafted_by_source[source] += 1
+            out_predicted[band, source, bucket] += estimate
+            if on_path[node]:
+                out_accepted[band, source, bucket] += 1.0
+                out_accepted_by_source[source] += 1
+            if source == SOURCE_ESP:
+                out_esp_drafted[band] += 1
+                if on_path[node]:
+                    out_esp_accepted[band] += 1
+
+
+def tally_verification(num_nodes: np.ndarray, sources: np.ndarray, reach: np.ndarray,
+                       chains: np.ndarray, accepted: np.ndarray, bands: np.ndarray,
+                       probed: np.ndarray) -> VerificationTally:
+    """Count one step's verified blocks in one compiled pass: block ``i``
+    (``num_nodes[i]`` nodes, its nodes' ``sources`` and prior ``reach``)
+    had the chain ``chains[i]`` verified, ``accepted[i]`` of its drafts
+    accepted; it samples in band ``bands[i]``; ``probed[i]``: its last
+    accepted node carried masks. A drafted node is any but the root; it
+    counts in its source's cell of reach (:func:`reach_buckets`).
+
+    >>> tally = tally_verification(np.array([3]), np.array([[0, 1, 0]]),
+    ...     np.array([[1.0, 0.5, 0.05]], np.float32), np.array([[0, 1, 2]]),
+    ...     np.array([1]), np.array([0]), np.array([True]))
+    >>> int(tally.drafted[0]), float(tally.accepted[0].sum()), int(tally.esp_drafted[0])
+    (2, 1.0, 1)
+    """
+    bands_count = NUM_SAMPLING_BANDS
+    tally = VerificationTally(
+        np.zeros(bands_count, np.bool_), np.zeros(bands_count, np.int64),
+        np.zeros((bands_count, NUM_SOURCES, NUM_REACH_BUCKETS)),
+        np.zeros((bands_count, NUM_SOURCES, NUM_REACH_BUCKETS)),
+        np.zeros(bands_count, np.int64), np.zeros(bands_count, np.int64),
+        np.zeros(bands_count, np.int64), np.zeros(NUM_SOURCES, np.int64),
+        np.zeros(NUM_SOURCES, np.int64))
+    tally_verification_kernel(
+        np.asarray(num_nodes, np.int64), np.asarray(sources, np.int8),
+        np.asarray(reach, np.float32), np.asarray(chains, np.int64),
+        np.asarray(accepted, np.int64), np.asarray(bands, np.int64),
+        np.asarray(probed, np.bool_), REACH_EDGES, tally.present, tally.drafted,
+        tally.predicted, tally.accepted, tally.probed, tally.esp_drafted,
+        tally.esp_accepted, tally.drafted_by_source, tally.accepted_by_source)
+    return tally
+
+
 class AcceptanceCalibration:
     """Per candidate source and band of prior reach, how much the estimated
     acceptance should be scaled: ``(accepted + prior) / (predicted +
@@ -437,12 +520,18 @@ class AcceptanceCalibration:
         reach = np.asarray(reach, np.float64)
         cells = np.asarray(sources, np.int64) * NUM_REACH_BUCKETS + reach_buckets(reach)
         size = NUM_SOURCES * NUM_REACH_BUCKETS
+        self.add(np.bincount(cells, weights=reach, minlength=size).reshape(
+                     NUM_SOURCES, NUM_REACH_BUCKETS),
+                 np.bincount(cells, weights=accepted.astype(np.float64),
+                             minlength=size).reshape(NUM_SOURCES, NUM_REACH_BUCKETS))
+
+    def add(self, predicted: np.ndarray, accepted: np.ndarray) -> None:
+        """One step's sums per cell (``[NUM_SOURCES, NUM_REACH_BUCKETS]``):
+        the drafted nodes' prior reach and how many were accepted."""
         self.predicted *= self.forgetting
         self.accepted *= self.forgetting
-        self.predicted += np.bincount(cells, weights=reach, minlength=size).reshape(
-            NUM_SOURCES, NUM_REACH_BUCKETS)
-        self.accepted += np.bincount(cells, weights=accepted.astype(np.float64),
-                                     minlength=size).reshape(NUM_SOURCES, NUM_REACH_BUCKETS)
+        self.predicted += predicted
+        self.accepted += accepted
 
     @property
     def scales(self) -> np.ndarray:
