@@ -275,11 +275,7 @@ _LLAMA_LAYER_TENSORS = {
 _LAYER_TENSORS = {
     "llama": _LLAMA_LAYER_TENSORS,
     "gemma3": {
-        "attn_norm": "input_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
+        **_LLAMA_LAYER_TENSORS,
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
         "post_attention_norm": "post_attention_layernorm",
@@ -287,9 +283,6 @@ _LAYER_TENSORS = {
         # the pre-MLP one ffn_norm like Llama's post_attention_layernorm.
         "ffn_norm": "pre_feedforward_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
     },
     # Llama's names; Qwen2's q/k/v biases ("blk.N.attn_q.bias") map through
     # the same keys. llama.cpp uses the NeoX rotation for Qwen2, so its

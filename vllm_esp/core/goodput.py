@@ -424,7 +424,7 @@ class VerificationTally:
 
 @njit(cache=True)
 def tally_verification_kernel(num_nodes, sources, reach, chains, accepted, bands, probed,
-                              edges, out_present, out_drafted, out_predicted, out_accepted,
+                              out_present, out_drafted, out_predicted, out_accepted,
                               out_probed, out_esp_drafted, out_esp_accepted,
                               out_drafted_by_source, out_accepted_by_source):
     width = sources.shape[1]
@@ -440,9 +440,7 @@ def tally_verification_kernel(num_nodes, sources, reach, chains, accepted, bands
         for node in range(1, num_nodes[block]):
             source = sources[block, node]
             estimate = reach[block, node]
-            bucket = 0
-            while bucket < edges.shape[0] and estimate >= edges[bucket]:
-                bucket += 1
+            bucket = np.searchsorted(REACH_EDGES, estimate, side="right")  # reach_buckets
             out_drafted[band] += 1
             out_drafted_by_source[source] += 1
             out_predicted[band, source, bucket] += estimate
@@ -483,7 +481,7 @@ def tally_verification(num_nodes: np.ndarray, sources: np.ndarray, reach: np.nda
         np.asarray(num_nodes, np.int64), np.asarray(sources, np.int8),
         np.asarray(reach, np.float32), np.asarray(chains, np.int64),
         np.asarray(accepted, np.int64), np.asarray(bands, np.int64),
-        np.asarray(probed, np.bool_), REACH_EDGES, tally.present, tally.drafted,
+        np.asarray(probed, np.bool_), tally.present, tally.drafted,
         tally.predicted, tally.accepted, tally.probed, tally.esp_drafted,
         tally.esp_accepted, tally.drafted_by_source, tally.accepted_by_source)
     return tally
