@@ -55,6 +55,7 @@ from vllm_esp.core.goodput import (
     SamplingCalibration,
     StepBudget,
     StepCostModel,
+    drain_token_values,
     reach_band_labels,
     sampling_band_labels,
     sampling_bands,
@@ -77,6 +78,12 @@ logger = logging.getLogger("vllm.esp")
 # Token id of the mask slots in a draft list. Any valid id works (those rows
 # are fed the soft embedding); it must not be -1, vLLM's padding.
 MASK_SLOT_TOKEN = 0
+
+# Proposals without an admission after which a batch with free seats is
+# taken to be draining. A served client sends its next request when one
+# ends: at concurrency 4 and ~70 steps a request, one arrives every ~18
+# steps, so that batch keeps the goodput aim.
+DRAIN_STEPS = 32
 
 
 @dataclass
@@ -119,7 +126,7 @@ class AutoStats:
         self._reset()
 
     def _reset(self) -> None:
-        self.num_steps = self.num_rows = self.num_blocks = 0
+        self.num_steps = self.num_rows = self.num_blocks = self.draining_steps = 0
         self.block_rows = self.accepted = self.mask_rows = 0
         # Drafted and accepted nodes per candidate source (SOURCE_*): where
         # the accepted tokens come from, so that a user can see whether the
@@ -151,11 +158,12 @@ class AutoStats:
         scales, mask_values = calibration.scales, calibration.mask_values
         band_names = sampling_band_labels()
         logger.info(
-            "ESP: %d steps, %.1f rows per step; %d blocks of %.1f rows (%d mask "
+            "ESP: %d steps (%d draining), %.1f rows per step; %d blocks of %.1f rows (%d mask "
             "rows), %.2f accepted per block; drafts accepted/drafted by source: "
             "esp %s, lookup %s, cached answers %s%s; calibration by estimated "
             "reach %s: %s",
-            self.num_steps, self.num_rows / max(self.num_steps, 1), self.num_blocks,
+            self.num_steps, self.draining_steps, self.num_rows / max(self.num_steps, 1),
+            self.num_blocks,
             self.block_rows / max(self.num_blocks, 1), self.mask_rows,
             self.accepted / max(self.num_blocks, 1),
             *(f"{self.accepted_by_source[source]}/{self.drafted_by_source[source]}"
@@ -211,7 +219,7 @@ class ESPProposer:
     def __init__(self, vllm_config) -> None:
         self.esp_config = esp_config_from_vllm(vllm_config)
         self.tree_proposer = tree_proposer_from_vllm(vllm_config, self.esp_config)
-        self.max_slots = vllm_config.scheduler_config.max_num_seqs
+        self.max_slots = self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.runner = None
         self.model = None
         self._table_stats = None
@@ -250,6 +258,12 @@ class ESPProposer:
         # How each request samples (core.goodput.sampling_bands): the
         # calibration it is estimated and observed with.
         self.sampling_band = np.zeros(slots, np.int64)
+        # Each request's max_tokens and the steps that emitted its tokens:
+        # how many steps it still needs, when the batch drains.
+        self.max_tokens = np.zeros(slots, np.int64)
+        self.decode_steps = np.zeros(slots, np.int64)
+        # Proposals since a request was last admitted (see _drain_values).
+        self.steps_since_admission = 0
         # 'auto' block complexity: the step-cost model (set by the runner
         # from its start-up profile) and the sources' calibration.
         self.auto = config.auto
@@ -316,6 +330,10 @@ class ESPProposer:
                 self.structured[slot] = has_sampling_param(request, "structured_outputs")
                 self.seeded[slot] = has_sampling_param(request, "seed")
                 self.sampling_band[slot] = request_sampling_band(request)
+                max_tokens = getattr(request.sampling_params, "max_tokens", None)
+                self.max_tokens[slot] = self.max_model_len if max_tokens is None else max_tokens
+                self.decode_steps[slot] = 0
+                self.steps_since_admission = 0
                 self.cache_salts[slot] = request_cache_salt(request)
                 self.no_block[slot] = self.structured[slot]
                 # A prompt given as embeddings has no token ids to look up.
@@ -330,7 +348,7 @@ class ESPProposer:
         self.max_slots = new = 2 * old
         for name in ("cand_tokens", "cand_log_probs", "has_candidates", "initialized",
                      "num_folded", "history_starts", "structured", "no_block", "seeded",
-                     "sampling_band"):
+                     "sampling_band", "max_tokens", "decode_steps"):
             array = getattr(self, name)
             grown = np.zeros((new,) + array.shape[1:], array.dtype)
             grown[:old] = array
@@ -442,13 +460,16 @@ class ESPProposer:
             return
         active_slots = slots[indices]
         ends = runner.input_batch.num_tokens_no_spec[indices].astype(np.int64)
+        self.decode_steps[active_slots] += 1
+        self.steps_since_admission += 1
         trees = self._propose_trees(
             indices, self.history_starts[active_slots], ends,
             self.cand_tokens[active_slots], self.cand_log_probs[active_slots],
             self.has_candidates[active_slots], num_requests=len(req_ids),
             corpus_rows=~self.seeded[active_slots],
             salts=[self.cache_salts[slot] for slot in active_slots],
-            bands=self.sampling_band[active_slots])
+            bands=self.sampling_band[active_slots],
+            token_values=self._drain_values(indices, active_slots, ends, len(req_ids)))
         pending = self.pending
         width = trees.parents.shape[1]
         pending.parents[active_slots, :width] = trees.parents
@@ -477,11 +498,13 @@ class ESPProposer:
                        cand_log_probs: np.ndarray, has_candidates: np.ndarray,
                        num_requests: int, corpus_rows: np.ndarray | None = None,
                        salts: list[str | None] | None = None,
-                       bands: np.ndarray | None = None) -> TreeBatch:
+                       bands: np.ndarray | None = None,
+                       token_values: np.ndarray | None = None) -> TreeBatch:
         """Trees for the input batch's ``rows`` (histories end at ``ends``);
         lookup searches earlier answers too where ``corpus_rows``: those of
         requests with the same cache salt (``salts``; None: unsalted);
-        ``bands``: how each samples (None: greedy)."""
+        ``bands``: how each samples (None: greedy); ``token_values``: what
+        their accepted tokens save while the batch drains."""
         token_ids = self.runner.input_batch.token_ids_cpu
         corpus, starts, ends_in_corpus = self.answer_cache.corpus(
             [None] * rows.shape[0] if salts is None else salts)
@@ -496,11 +519,31 @@ class ESPProposer:
             cand_tokens, cand_log_probs, has_candidates,
             self.runner.model_config.get_vocab_size(),
             row_caps=self.max_model_len - ends,
-            budget=self._step_budget(num_requests, bands),
+            budget=self._step_budget(num_requests, bands, token_values),
             corpus=corpus, corpus_spans=(starts, ends_in_corpus))
 
-    def _step_budget(self, num_requests: int, bands: np.ndarray | None = None
-                     ) -> StepBudget | None:
+    def _drain_values(self, rows: np.ndarray, slots: np.ndarray, ends: np.ndarray,
+                      num_requests: int) -> np.ndarray | None:
+        """What an accepted token of each request saves (seconds) while the
+        batch drains, else None (core.goodput.drain_token_values).
+
+        The batch drains when it has free seats (so nothing waits for one)
+        and no request has been admitted for ``DRAIN_STEPS`` proposals (so
+        none is arriving, as in a served batch whose clients send the next
+        request when one ends)."""
+        if (not self.auto or self.cost_model is None or num_requests >= self.max_num_seqs
+                or self.steps_since_admission < DRAIN_STEPS):
+            return None
+        generated = ends - self.runner.input_batch.num_prompt_tokens[rows]
+        remaining = self.max_tokens[slots] - generated
+        tokens_per_step = np.maximum(generated, 1) / np.maximum(self.decode_steps[slots], 1)
+        cost = self.cost_model
+        self.stats.draining_steps += 1
+        return drain_token_values(remaining, tokens_per_step, cost.fixed,
+                                  cost.per_request + cost.per_row)
+
+    def _step_budget(self, num_requests: int, bands: np.ndarray | None = None,
+                     token_values: np.ndarray | None = None) -> StepBudget | None:
         if not self.auto or self.cost_model is None:
             return None
         # The step's requests are given; only its rows are chosen.
@@ -509,7 +552,8 @@ class ESPProposer:
                           base_rows=num_requests, max_total_rows=self.max_step_tokens,
                           cost_per_drafted_step=self.cost_model.per_drafted_step,
                           scales=self.calibration.scales,
-                          mask_value=self.calibration.mask_values, bands=bands)
+                          mask_value=self.calibration.mask_values, bands=bands,
+                          token_values=token_values)
 
     def observe_verification(self, trees: TreeBatch, chains: np.ndarray,
                              accepted: np.ndarray, probed: np.ndarray,

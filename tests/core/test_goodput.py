@@ -19,6 +19,7 @@ from vllm_esp.core.goodput import (
     StepBudget,
     StepCostModel,
     allocate_rows,
+    drain_token_values,
     reach_buckets,
 )
 
@@ -111,6 +112,75 @@ def test_allocation_equals_the_numpy_reference():
         np.testing.assert_array_equal(
             allocate_rows(gains, counts, base, fixed, per_row, cap, drafted_step),
             _allocate_rows_reference(gains, counts, base, fixed, per_row, cap, drafted_step))
+
+
+def test_drain_values_docstring_example():
+    values = drain_token_values(np.array([100, 100, 20]), np.array([1.0, 1.1, 2.0]),
+                                fixed_cost=0.050, cost_per_request_step=0.0036)
+    np.testing.assert_allclose(values, [0.0286, 0.0286, 0.0036])
+
+
+def test_drain_values_split_the_fixed_cost_over_the_critical_requests():
+    """Equal requests all share it (the goodput's share); a request that will
+    finish far earlier gets none; a finished or unbounded one is no error."""
+    equal = drain_token_values(np.full(4, 50), np.ones(4), 0.04, 0.002)
+    np.testing.assert_allclose(equal, 0.002 + 0.04 / 4)
+    one_slow = drain_token_values(np.array([80, 10, 10]), np.array([1.0, 1.0, 3.0]),
+                                  0.04, 0.002)
+    np.testing.assert_allclose(one_slow, [0.042, 0.002, 0.002])
+    done = drain_token_values(np.array([0, -3]), np.array([1.0, 0.0]), 0.04, 0.002)
+    np.testing.assert_allclose(done, 0.002 + 0.04 / 2)
+    assert drain_token_values(np.zeros(0), np.zeros(0), 0.04, 0.002).shape == (0,)
+
+
+def test_draining_allocation_buys_rows_that_save_more_than_they_cost():
+    """Per request: its rows ranked by gain times what its tokens save; a
+    row pays when that beats the row's cost, and the step drafts only when
+    the rows together also pay for the drafted step's own cost."""
+    gains = np.array([[0.9, 0.6, 0.2, 0.1], [0.9, 0.6, 0.2, 0.1]])
+    counts = np.array([4, 4])
+    values = np.array([0.0286, 0.0036])  # the critical request, then another
+    extra = allocate_rows(gains, counts, base_rows=2, fixed_cost=0.05, cost_per_row=0.0019,
+                          token_values=values)
+    # 0.1 * 28.6 ms > 1.9 ms: all four; 0.6 * 3.6 ms > 1.9 ms > 0.2 * 3.6 ms: two.
+    assert extra.tolist() == [4, 2]
+    costly = allocate_rows(gains, counts, 2, 0.05, 0.0019, cost_per_drafted_step=0.05,
+                           token_values=values)
+    assert costly.tolist() == [0, 0]
+    # The goodput aim on the same step buys rows for both alike.
+    goodput = allocate_rows(gains, counts, 2, 0.05, 0.0019)
+    assert goodput[0] == goodput[1] == 4
+
+
+def _net_savings(rows, gains, values, per_row, drafted_step):
+    """Seconds saved by ``rows[i]`` rows of each request, less their cost."""
+    saved = sum(gains[i, :rows[i]].sum() * values[i] for i in range(len(rows)))
+    taken = int(np.sum(rows))
+    return saved - per_row * taken - (drafted_step if taken else 0.0)
+
+
+def test_draining_allocation_is_the_best_prefix():
+    """Brute force over every count of the ranked rows: none saves more
+    less its cost than the allocation's (the empty step saves 0)."""
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        batch, width = int(rng.integers(1, 6)), int(rng.integers(1, 8))
+        gains = np.sort(rng.uniform(0, 1, (batch, width)), axis=1)[:, ::-1]
+        counts = rng.integers(0, width + 1, batch)
+        values = rng.uniform(0.001, 0.05, batch)
+        per_row, drafted = rng.uniform(0.001, 0.02), rng.uniform(0.0, 0.05)
+        extra = allocate_rows(gains, counts, batch, 1.0, per_row, None, drafted, values)
+        assert all(0 <= extra[i] <= counts[i] for i in range(batch))
+
+        ranked = sorted((gains[i, j] * values[i], i) for i in range(batch)
+                        for j in range(counts[i]))[::-1]
+        best = _net_savings(extra, gains, values, per_row, drafted)
+        assert best >= -1e-12
+        for n in range(len(ranked) + 1):
+            rows = np.zeros(batch, np.int64)
+            for _, i in ranked[:n]:
+                rows[i] += 1
+            assert best >= _net_savings(rows, gains, values, per_row, drafted) - 1e-12
 
 
 def _bounded_least_squares(gram, moment, ridge):

@@ -513,7 +513,7 @@ class TreeProposer:
         if self.auto and budget is not None:
             extra = allocate_rows(gains, num_gains, budget.base_rows, budget.fixed_cost,
                                   budget.cost_per_row, budget.max_total_rows,
-                                  budget.cost_per_drafted_step)
+                                  budget.cost_per_drafted_step, budget.token_values)
             self._run(np.minimum(caps, 1 + extra), *args)
         return out
 
