@@ -147,9 +147,10 @@ def test_draining_allocation_buys_rows_that_save_more_than_they_cost():
     costly = allocate_rows(gains, counts, 2, 0.05, 0.0019, cost_per_drafted_step=0.05,
                            token_values=values)
     assert costly.tolist() == [0, 0]
-    # The goodput aim on the same step buys rows for both alike.
+    # The goodput aim on the same step buys rows for both alike (down to
+    # gain 0.2: 0.1 token for 1.9 ms is below its ~80 tokens per second).
     goodput = allocate_rows(gains, counts, 2, 0.05, 0.0019)
-    assert goodput[0] == goodput[1] == 4
+    assert goodput.tolist() == [3, 3]
 
 
 def _net_savings(rows, gains, values, per_row, drafted_step):
