@@ -20,7 +20,7 @@ from vllm_esp.core.goodput import (
     StepCostModel,
     sampling_bands,
 )
-from vllm_esp.proposer import DRAIN_STEPS, AutoStats, ESPProposer
+from vllm_esp.proposer import DRAIN_STEPS, WAVE_STEPS, AutoStats, ESPProposer
 
 
 def proposer(cost_model: StepCostModel | None, temperatures=(0.0, 0.0)):
@@ -175,14 +175,15 @@ def test_sampling_bands_follow_vllm_greedy_threshold():
         0, 0, 1, 2, 2, 3, 3, 3]
 
 
-def drain_state(num_requests_limit=4, steps_since_admission=DRAIN_STEPS):
+def drain_state(num_requests_limit=4, steps_since_admission=DRAIN_STEPS,
+                decode_steps=(15, 10)):
     cost_model = StepCostModel(fixed=0.050, per_row=0.002)
     cost_model.per_request = 0.0016
     state = SimpleNamespace(
         auto=True, cost_model=cost_model, max_num_seqs=num_requests_limit,
         steps_since_admission=steps_since_admission, stats=AutoStats(),
         runner=SimpleNamespace(input_batch=SimpleNamespace(num_prompt_tokens=np.array([10, 10]))),
-        max_tokens=np.array([128, 128]), decode_steps=np.array([15, 10]))
+        max_tokens=np.array([128, 128]), decode_steps=np.array(decode_steps))
     return state, ESPProposer._drain_values.__get__(state)
 
 
@@ -190,16 +191,32 @@ def test_draining_prices_tokens_by_the_requests_remaining_steps():
     """Two requests in four seats, none admitted for DRAIN_STEPS proposals:
     30 tokens in 15 steps leaves 98 at 2 a step (49 steps), 10 in 10 leaves
     118 at 1 a step (118 steps). Only the second is critical: its tokens
-    also save the step's fixed cost, the first's only its own share."""
+    also save the step's fixed cost, the first's only its own share. A
+    token saves the fraction of a step its request makes: 1/2 and 1/1."""
     state, drain_values = drain_state()
     values = drain_values(np.array([0, 1]), np.array([0, 1]), np.array([40, 20]), 2)
-    np.testing.assert_allclose(values, [0.0036, 0.0536])
+    np.testing.assert_allclose(values, [0.0036 / 2, 0.0536])
     assert state.stats.draining_steps == 1
 
 
 def test_no_draining_while_seats_are_full_or_requests_arrive():
+    """Full seats: someone waits. A request admitted 5 proposals after the
+    other and fewer than DRAIN_STEPS ago: requests are still arriving."""
     _, drain_values = drain_state(num_requests_limit=2)
     assert drain_values(np.array([0, 1]), np.array([0, 1]), np.array([40, 20]), 2) is None
     state, drain_values = drain_state(steps_since_admission=DRAIN_STEPS - 1)
     assert drain_values(np.array([0, 1]), np.array([0, 1]), np.array([40, 20]), 2) is None
     assert state.stats.draining_steps == 0
+
+
+def test_one_wave_drains_from_its_first_steps():
+    """Requests that all started within WAVE_STEPS proposals of each other
+    (an offline generate of fewer prompts than seats) drain at once, even
+    though one was admitted only WAVE_STEPS proposals ago."""
+    state, drain_values = drain_state(steps_since_admission=WAVE_STEPS,
+                                      decode_steps=(WAVE_STEPS + 2, 2))
+    values = drain_values(np.array([0, 1]), np.array([0, 1]), np.array([40, 20]), 2)
+    assert values is not None and state.stats.draining_steps == 1
+    late, drain_values = drain_state(steps_since_admission=WAVE_STEPS,
+                                     decode_steps=(WAVE_STEPS + 3, 2))
+    assert drain_values(np.array([0, 1]), np.array([0, 1]), np.array([40, 20]), 2) is None

@@ -84,6 +84,10 @@ MASK_SLOT_TOKEN = 0
 # ends: at concurrency 4 and ~70 steps a request, one arrives every ~18
 # steps, so that batch keeps the goodput aim.
 DRAIN_STEPS = 32
+# A batch whose requests all started within this many proposals of each
+# other is one wave (an offline generate of fewer prompts than seats, whose
+# prefills may take a few steps): it drains from its first step.
+WAVE_STEPS = 4
 
 
 @dataclass
@@ -528,11 +532,15 @@ class ESPProposer:
         batch drains, else None (core.goodput.drain_token_values).
 
         The batch drains when it has free seats (so nothing waits for one)
-        and no request has been admitted for ``DRAIN_STEPS`` proposals (so
-        none is arriving, as in a served batch whose clients send the next
-        request when one ends)."""
-        if (not self.auto or self.cost_model is None or num_requests >= self.max_num_seqs
-                or self.steps_since_admission < DRAIN_STEPS):
+        and either no request has been admitted for ``DRAIN_STEPS``
+        proposals (so none is arriving, as in a served batch whose clients
+        send the next request when one ends) or all its requests started
+        within ``WAVE_STEPS`` proposals of each other (one wave)."""
+        if not self.auto or self.cost_model is None or num_requests >= self.max_num_seqs:
+            return None
+        steps = self.decode_steps[slots]
+        one_wave = steps.size > 0 and int(steps.max() - steps.min()) <= WAVE_STEPS
+        if self.steps_since_admission < DRAIN_STEPS and not one_wave:
             return None
         generated = ends - self.runner.input_batch.num_prompt_tokens[rows]
         remaining = self.max_tokens[slots] - generated

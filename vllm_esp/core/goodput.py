@@ -31,8 +31,7 @@ hardware-aware tree size):
   (``per_request + per_row``), not a share of the step's fixed cost, which
   is paid until the end. :func:`drain_token_values` prices each request's
   tokens so, and :func:`allocate_rows` then buys the rows whose expected
-  savings exceed their cost (at batch 26 on SmolLM2 the goodput aim bought
-  1.9 rows per request and ran 0.90x plain; docs/results.md).
+  savings exceed their cost (docs/design.md, "Draining batches").
 * **Calibration.** :class:`AcceptanceCalibration` scales the estimates of
   each candidate source, for each band of temperature
   (:func:`sampling_bands`), in each band of estimated reach (below 0.1, 0.1 to
@@ -75,8 +74,8 @@ from numba import njit
 
 __all__ = ["StepCostModel", "AcceptanceCalibration", "MaskValueCalibration", "StepBudget",
            "SamplingCalibration", "VerificationTally", "tally_verification",
-           "allocate_rows", "drain_token_values", "CRITICAL_SHARE", "sampling_bands", "sampling_band_labels", "NUM_SAMPLING_BANDS",
-           "GREEDY_BAND",
+           "allocate_rows", "drain_token_values", "CRITICAL_SHARE",
+           "sampling_bands", "sampling_band_labels", "NUM_SAMPLING_BANDS", "GREEDY_BAND",
            "SOURCE_ESP", "SOURCE_LOOKUP", "SOURCE_CORPUS", "NUM_SOURCES", "REACH_EDGES",
            "NUM_REACH_BUCKETS", "reach_buckets", "reach_band_labels"]
 
@@ -262,19 +261,24 @@ def drain_token_values(remaining_tokens: np.ndarray, tokens_per_step: np.ndarray
     drains (no request waits to take a finished one's place).
 
     Every request is expected to need ``remaining_tokens / tokens_per_step``
-    more steps; the steps run until the slowest request is done. A token
-    accepted for a request saves that request's share of one step
-    (``cost_per_request_step``: its root row and its own per-request cost).
-    The fixed cost of a step is saved only when the last request finishes
-    a step earlier: it is split over the ``k`` critical requests, those
-    expected to need at least ``critical_share`` of the slowest one's steps
-    (all ``k`` must gain a token for the run to lose a step).
+    more steps; the steps run until the slowest request is done. A request
+    that makes ``tokens_per_step`` tokens a step saves ``1 / tokens_per_step``
+    of its steps with one more accepted token, so a token is worth that
+    fraction of what the request's steps cost: its own share of a step
+    (``cost_per_request_step``: its root row and its per-request cost) and,
+    for the critical requests, part of the fixed cost. The fixed cost is
+    saved only when the last request finishes a step earlier: it is split
+    over the ``k`` critical requests, those expected to need at least
+    ``critical_share`` of the slowest one's steps (all ``k`` must gain for
+    the run to lose a step). For ``B`` alike requests this is the goodput
+    aim's price, the step's time per token.
 
     Example: fixed 50 ms, 3.6 ms a request-step; 100, 100 and 20 tokens to
     go at 1.0, 1.1 and 2.0 tokens per step: 100, 91 and 10 steps; the
     first two are critical (91 >= 0.85 * 100)::
 
-        values = [3.6 + 50 / 2, 3.6 + 50 / 2, 3.6] ms = [28.6, 28.6, 3.6] ms
+        values = [(3.6 + 50 / 2) / 1.0, (3.6 + 50 / 2) / 1.1, 3.6 / 2.0] ms
+               = [28.6, 26.0, 1.8] ms
     """
     steps = (np.maximum(np.asarray(remaining_tokens, np.float64), 0.0)
              / np.maximum(np.asarray(tokens_per_step, np.float64), 1e-9))
@@ -283,7 +287,7 @@ def drain_token_values(remaining_tokens: np.ndarray, tokens_per_step: np.ndarray
         return values
     critical = steps >= critical_share * steps.max()
     values[critical] += float(fixed_cost) / int(critical.sum())
-    return values
+    return values / np.maximum(np.asarray(tokens_per_step, np.float64), 1.0)
 
 
 class StepCostModel:
