@@ -183,7 +183,8 @@ def drain_state(num_requests_limit=4, steps_since_admission=DRAIN_STEPS,
         auto=True, cost_model=cost_model, max_num_seqs=num_requests_limit,
         steps_since_admission=steps_since_admission, stats=AutoStats(),
         runner=SimpleNamespace(input_batch=SimpleNamespace(num_prompt_tokens=np.array([10, 10]))),
-        max_tokens=np.array([128, 128]), decode_steps=np.array(decode_steps))
+        max_tokens=np.array([128, 128]), decode_steps=np.array(decode_steps),
+        block_rows=np.array([2 * (decode_steps[0] - 1), decode_steps[1] - 1]))
     return state, ESPProposer._drain_values.__get__(state)
 
 
@@ -191,11 +192,12 @@ def test_draining_prices_tokens_by_the_requests_remaining_steps():
     """Two requests in four seats, none admitted for DRAIN_STEPS proposals:
     30 tokens in 15 steps leaves 98 at 2 a step (49 steps), 10 in 10 leaves
     118 at 1 a step (118 steps). Only the second is critical: its tokens
-    also save the step's fixed cost, the first's only its own share. A
-    token saves the fraction of a step its request makes: 1/2 and 1/1."""
+    also save the step's fixed cost, the first's only its own part of a
+    step (1.6 ms and 2 rows at 2 ms, in its 14 blocks so far). A token
+    saves the fraction of a step its request makes: 1/2 and 1/1."""
     state, drain_values = drain_state()
     values = drain_values(np.array([0, 1]), np.array([0, 1]), np.array([40, 20]), 2)
-    np.testing.assert_allclose(values, [0.0036 / 2, 0.0536])
+    np.testing.assert_allclose(values, [(0.0016 + 2 * 0.002) / 2, 0.0016 + 0.002 + 0.050])
     assert state.stats.draining_steps == 1
 
 

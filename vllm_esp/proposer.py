@@ -266,6 +266,8 @@ class ESPProposer:
         # how many steps it still needs, when the batch drains.
         self.max_tokens = np.zeros(slots, np.int64)
         self.decode_steps = np.zeros(slots, np.int64)
+        # Rows its blocks had over those steps, root included.
+        self.block_rows = np.zeros(slots, np.int64)
         # Proposals since a request was last admitted (see _drain_values).
         self.steps_since_admission = 0
         # 'auto' block complexity: the step-cost model (set by the runner
@@ -337,6 +339,7 @@ class ESPProposer:
                 max_tokens = getattr(request.sampling_params, "max_tokens", None)
                 self.max_tokens[slot] = self.max_model_len if max_tokens is None else max_tokens
                 self.decode_steps[slot] = 0
+                self.block_rows[slot] = 0
                 self.steps_since_admission = 0
                 self.cache_salts[slot] = request_cache_salt(request)
                 self.no_block[slot] = self.structured[slot]
@@ -352,7 +355,7 @@ class ESPProposer:
         self.max_slots = new = 2 * old
         for name in ("cand_tokens", "cand_log_probs", "has_candidates", "initialized",
                      "num_folded", "history_starts", "structured", "no_block", "seeded",
-                     "sampling_band", "max_tokens", "decode_steps"):
+                     "sampling_band", "max_tokens", "decode_steps", "block_rows"):
             array = getattr(self, name)
             grown = np.zeros((new,) + array.shape[1:], array.dtype)
             grown[:old] = array
@@ -483,6 +486,7 @@ class ESPProposer:
         pending.reach[active_slots, :width] = trees.reach
         pending.sources[active_slots, :width] = trees.sources
         block_sizes = trees.block_sizes()
+        self.block_rows[active_slots] += np.maximum(block_sizes, 1)
         for row, slot in enumerate(active_slots):
             num_nodes = int(trees.num_nodes[row])
             if num_nodes == 0:
@@ -545,10 +549,12 @@ class ESPProposer:
         generated = ends - self.runner.input_batch.num_prompt_tokens[rows]
         remaining = self.max_tokens[slots] - generated
         tokens_per_step = np.maximum(generated, 1) / np.maximum(self.decode_steps[slots], 1)
+        # decode_steps already counts this step, whose block is not chosen yet.
+        rows_per_step = self.block_rows[slots] / np.maximum(self.decode_steps[slots] - 1, 1)
         cost = self.cost_model
         self.stats.draining_steps += 1
-        return drain_token_values(remaining, tokens_per_step, cost.fixed,
-                                  cost.per_request + cost.per_row)
+        return drain_token_values(remaining, tokens_per_step, rows_per_step, cost.fixed,
+                                  cost.per_request, cost.per_row)
 
     def _step_budget(self, num_requests: int, bands: np.ndarray | None = None,
                      token_values: np.ndarray | None = None) -> StepBudget | None:

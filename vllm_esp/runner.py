@@ -87,9 +87,8 @@ PROFILE_REPEATS = 3
 # A cached profile is re-checked at every start by timing this one point
 # again (a fraction of a second), and redone when the cached time is above
 # the new one by more than PROFILE_STALE_RATIO: a profile taken while
-# something else ran kept SmolLM2's prior at 50.6 ms + 3.08 ms per row where
-# a quiet start measures 36.4 + 2.55 (docs/results.md, "A stale step-cost
-# profile").
+# something else ran would otherwise keep its too-high prior for as long as
+# it is cached (docs/results.md, "A stale step-cost profile").
 PROFILE_CHECK_TOKENS = 8
 PROFILE_STALE_RATIO = 1.25
 
@@ -503,10 +502,10 @@ class ESPModelRunnerMixin:
             chains, lengths = self._esp_select_chains(step, logits)
             # The sampler copies out only the rows the metadata names, so
             # without logprobs it reads the block's rows in place: one copy
-            # of rows x vocab floats less per step (with Gemma-3's 262k
-            # vocabulary at batch 4 the sample phase fell from 33 to 23 ms
-            # per step; docs/results.md). vLLM's logprobs code wants
-            # each request's rows consecutive, so with logprobs compact them.
+            # of rows x vocab floats less per step, which matters with a
+            # large vocabulary such as Gemma-3's (docs/results.md). vLLM's
+            # logprobs code wants each request's rows consecutive, so with
+            # logprobs compact them.
             in_place = sampling_metadata.max_num_logprobs is None
             layout = chain_rows(
                 step.batch_indices, self._esp_logit_starts,
@@ -537,8 +536,8 @@ class ESPModelRunnerMixin:
         without speculation. With a speculative config vLLM sends every
         step through its RejectionSampler, drafts or not, and on CPU that
         costs a full batch x vocabulary exponential draw (and its
-        reciprocal) whenever a request samples: at batch 24 with SmolLM2 a
-        step without drafts took 119 ms against plain vLLM's 102 ms. With
+        reciprocal) whenever a request samples, which made such a step
+        dearer than plain vLLM's (docs/design.md, "One step"). With
         no drafts its output is the Sampler's anyway (the bonus token), so
         this is the same tokens and logprobs without that work."""
         self.input_batch.update_async_output_token_ids()

@@ -116,23 +116,27 @@ def test_allocation_equals_the_numpy_reference():
 
 def test_drain_values_docstring_example():
     values = drain_token_values(np.array([100, 100, 20]), np.array([1.0, 1.1, 2.0]),
-                                fixed_cost=0.050, cost_per_request_step=0.0036)
-    np.testing.assert_allclose(values, [0.0286, 0.0286 / 1.1, 0.0018])
+                                np.array([1.0, 1.5, 2.5]), fixed_cost=0.050,
+                                cost_per_request=0.0016, cost_per_row=0.002)
+    np.testing.assert_allclose(values, [0.0286, 0.0296 / 1.1, 0.0033])
 
 
 def test_drain_values_split_the_fixed_cost_over_the_critical_requests():
-    """Equal requests all share it (the goodput's price: the step's time
-    per token, here 48 ms over 4 requests at 2 tokens a step); a request
-    that will finish far earlier gets none; a finished or unbounded one is
-    no error."""
-    equal = drain_token_values(np.full(4, 50), np.full(4, 2.0), 0.04, 0.002)
-    np.testing.assert_allclose(equal, (0.04 + 4 * 0.002) / (4 * 2))
+    """Alike requests all share it, and each token is worth the step's time
+    per token, the goodput's price (40 ms + 4 requests x (2 ms + 3 rows x
+    1 ms) = 60 ms for 4 x 2 tokens); a request that will finish far earlier
+    gets none of it; a finished or unbounded one is no error."""
+    equal = drain_token_values(np.full(4, 50), np.full(4, 2.0), np.full(4, 3.0),
+                               0.04, 0.002, 0.001)
+    np.testing.assert_allclose(equal, (0.04 + 4 * (0.002 + 3 * 0.001)) / (4 * 2))
     one_slow = drain_token_values(np.array([80, 10, 10]), np.array([1.0, 1.0, 3.0]),
-                                  0.04, 0.002)
-    np.testing.assert_allclose(one_slow, [0.042, 0.002, 0.002 / 3])
-    done = drain_token_values(np.array([0, -3]), np.array([1.0, 0.0]), 0.04, 0.002)
+                                  np.array([1.0, 1.0, 4.0]), 0.04, 0.001, 0.001)
+    np.testing.assert_allclose(one_slow, [0.042, 0.002, 0.005 / 3])
+    done = drain_token_values(np.array([0, -3]), np.array([1.0, 0.0]), np.zeros(2),
+                              0.04, 0.001, 0.001)
     np.testing.assert_allclose(done, 0.002 + 0.04 / 2)
-    assert drain_token_values(np.zeros(0), np.zeros(0), 0.04, 0.002).shape == (0,)
+    assert drain_token_values(np.zeros(0), np.zeros(0), np.zeros(0), 0.04, 0.001,
+                              0.001).shape == (0,)
 
 
 def test_draining_allocation_buys_rows_that_save_more_than_they_cost():

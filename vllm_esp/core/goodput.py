@@ -27,9 +27,9 @@ hardware-aware tree size):
   finishes makes room for one that waits. Once the batch only drains (no
   request waits or arrives: the last wave of an offline ``generate``),
   the run ends when its slowest request does, and a token accepted for any
-  other request saves only that request's share of a step
-  (``per_request + per_row``), not a share of the step's fixed cost, which
-  is paid until the end. :func:`drain_token_values` prices each request's
+  other request saves only that request's part of a step (``per_request``
+  and its rows), not a share of the step's fixed cost, which is paid until
+  the end. :func:`drain_token_values` prices each request's
   tokens so, and :func:`allocate_rows` then buys the rows whose expected
   savings exceed their cost (docs/design.md, "Draining batches").
 * **Calibration.** :class:`AcceptanceCalibration` scales the estimates of
@@ -38,15 +38,13 @@ hardware-aware tree size):
   0.2, 0.2 to 0.35, 0.35 to 0.55, above) by how often such drafts were
   really accepted, so the priors only matter for the first steps. Bands of
   reach, not of depth: the rows the allocation weighs last are the ones
-  with low estimates, and those were the most overrated. (Measured on
-  Spec-Bench questions 3-4 at batch 4: lookup nodes estimated at 0.1 to
-  0.2 were accepted 0.66x as often as estimated, those above 0.2 about
-  0.93x, at every depth; docs/results.md, "The cost model's slope".)
+  with low estimates, and those were the most overrated, at every depth
+  (docs/results.md, "The cost model's slope").
   Bands of temperature, because a sampled request accepts a draft with the
   target's probability of its token, not whenever it is the argmax: the
   same lookup chain is worth less the hotter a request samples, and one
   estimate pooled over greedy and sampled requests bought rows for sampled
-  requests that did not pay (issue 48: 0.92x plain at batch 8, T = 0.7).
+  requests that did not pay.
 
 Worked example: 2 requests, cost ``t(R) = 1 + 0.1 R``; request 0's gains
 ``[.9, .5, .05]``, request 1's ``[.3]``::
@@ -255,39 +253,44 @@ CRITICAL_SHARE = 0.85
 
 
 def drain_token_values(remaining_tokens: np.ndarray, tokens_per_step: np.ndarray,
-                       fixed_cost: float, cost_per_request_step: float,
+                       rows_per_step: np.ndarray, fixed_cost: float,
+                       cost_per_request: float, cost_per_row: float,
                        critical_share: float = CRITICAL_SHARE) -> np.ndarray:
     """Seconds one accepted token of each request saves while the batch
     drains (no request waits to take a finished one's place).
 
     Every request is expected to need ``remaining_tokens / tokens_per_step``
     more steps; the steps run until the slowest request is done. A request
-    that makes ``tokens_per_step`` tokens a step saves ``1 / tokens_per_step``
-    of its steps with one more accepted token, so a token is worth that
-    fraction of what the request's steps cost: its own share of a step
-    (``cost_per_request_step``: its root row and its per-request cost) and,
-    for the critical requests, part of the fixed cost. The fixed cost is
-    saved only when the last request finishes a step earlier: it is split
-    over the ``k`` critical requests, those expected to need at least
+    that makes ``tokens_per_step`` tokens a step needs ``1 /
+    tokens_per_step`` of a step less for one more accepted token, so a
+    token is worth that fraction of what the request's steps cost: its own
+    part of a step (``cost_per_request`` plus ``cost_per_row`` for each of
+    the ``rows_per_step`` rows its blocks have, root included) and, for the
+    critical requests, part of the fixed cost. The fixed cost is saved only
+    when the last request finishes a step earlier: it is split over the
+    ``k`` critical requests, those expected to need at least
     ``critical_share`` of the slowest one's steps (all ``k`` must gain for
-    the run to lose a step). For ``B`` alike requests this is the goodput
-    aim's price, the step's time per token.
+    the run to lose a step). For alike requests this is the goodput aim's
+    price: the step's time per token.
 
-    Example: fixed 50 ms, 3.6 ms a request-step; 100, 100 and 20 tokens to
-    go at 1.0, 1.1 and 2.0 tokens per step: 100, 91 and 10 steps; the
-    first two are critical (91 >= 0.85 * 100)::
+    Example: fixed 50 ms, 1.6 ms a request and 2 ms a row; 100, 100 and 20
+    tokens to go at 1.0, 1.1 and 2.0 tokens per step from 1.0, 1.5 and 2.5
+    rows per step: 100, 91 and 10 steps; the first two are critical
+    (91 >= 0.85 * 100)::
 
-        values = [(3.6 + 50 / 2) / 1.0, (3.6 + 50 / 2) / 1.1, 3.6 / 2.0] ms
-               = [28.6, 26.0, 1.8] ms
+        values = [(1.6 + 2 * 1.0 + 50 / 2) / 1.0,
+                  (1.6 + 2 * 1.5 + 50 / 2) / 1.1,
+                  (1.6 + 2 * 2.5) / 2.0] ms = [28.6, 26.9, 3.3] ms
     """
-    steps = (np.maximum(np.asarray(remaining_tokens, np.float64), 0.0)
-             / np.maximum(np.asarray(tokens_per_step, np.float64), 1e-9))
-    values = np.full(steps.shape[0], float(cost_per_request_step))
+    tokens_per_step = np.maximum(np.asarray(tokens_per_step, np.float64), 1.0)
+    steps = np.maximum(np.asarray(remaining_tokens, np.float64), 0.0) / tokens_per_step
+    values = float(cost_per_request) + float(cost_per_row) * np.maximum(
+        np.asarray(rows_per_step, np.float64), 1.0)
     if steps.shape[0] == 0:
         return values
     critical = steps >= critical_share * steps.max()
     values[critical] += float(fixed_cost) / int(critical.sum())
-    return values / np.maximum(np.asarray(tokens_per_step, np.float64), 1.0)
+    return values / tokens_per_step
 
 
 class StepCostModel:
@@ -304,26 +307,24 @@ class StepCostModel:
     The prior's points stay close together so that they pin the level and
     only weakly the slope. A real step's cost per row is above the
     profile's (tree attention, verification and proposals grow with the
-    rows; on SmolLM2 at batch 4, 2.1 against 1.5 ms), and a step's rows
-    vary over a narrow range (8 to 46 there). With the prior spread over
-    the profile's whole range (1 to 128 rows) its leverage held the slope
-    at 1.7 ms after 200 steps; the allocation then bought rows that did not
-    pay (docs/results.md, "The cost model's slope").
+    rows), and a step's rows vary over a narrow range. With the prior
+    spread over the profile's whole range (1 to 128 rows) its leverage held
+    the slope near the profile's for hundreds of steps; the allocation then
+    bought rows that did not pay (docs/results.md, "The cost model's
+    slope").
 
     The allocation only chooses rows; a step's requests are given. But a
     request costs more than a draft row (its sampling, its own attention
     over its context), and in a pass the number of requests changes (a
     batch fills, its tail drains). A fit on rows alone charged that to the
-    rows: at 16 requests it gave 2.5 to 2.9 ms per row where a draft row
-    added 2.1 ms (docs/results.md, "Cost per request").
+    rows and overpriced a draft row (docs/results.md, "Cost per request").
 
     A step that verifies drafts also costs something of its own, whatever
     its rows: the verification (the tree walk or vLLM's rejection sampler),
-    the blocks' layout and tree-attention metadata, the accepted path's KV.
-    At batch 24 on SmolLM2 the first draft row of every request cost 1.5 ms
-    a row and the next ones 1.1 ms; ``per_drafted_step`` holds that
-    difference, so that the allocation weighs a plain step (no extra rows)
-    at its real, lower cost.
+    the blocks' layout and tree-attention metadata, the accepted path's KV:
+    the first draft row of every request costs more than the next ones.
+    ``per_drafted_step`` holds that difference, so that the allocation
+    weighs a plain step (no extra rows) at its real, lower cost.
 
     ``per_request`` and ``per_drafted_step`` are held at zero by a small
     ridge that is not forgotten, so that each stays zero where its feature
@@ -469,8 +470,7 @@ def cost_fit_update(gram, moment, forgetting, rows, requests, drafted, seconds, 
         # A request never makes a step cheaper, nor do drafts: the least
         # squares under those bounds lie on the bound. Clamping the negative
         # term instead would keep the fixed cost it offsets (a 1-request
-        # prior above a full batch's steps: 54.6 ms fixed where batch-8
-        # steps took 35.5 ms + 2.9 ms per row).
+        # prior's fixed cost above what a full batch's whole steps took).
         worst, worst_value = -1, 0.0
         for i in range(2, 4):
             if active[i] and out_solution[i] < worst_value:
@@ -621,9 +621,8 @@ class MaskValueCalibration:
     (``core.hybrid.allocate_block_kernel``). What they really bring is the next
     step's *surplus* from those candidates: the ESP-sourced drafts accepted,
     less the rows they took, each priced at what a row costs in tokens at
-    the step's goodput (``price``). Without that surplus the masks' rows
-    buy nothing: on SmolLM2 ESP's candidates alone accepted 0.1 tokens per
-    step at batch 1 and were 0.90x plain at batch 4 (docs/results.md,
+    the step's goodput (``price``). Valued by their probabilities alone
+    the masks' rows were bought where they did not pay (docs/results.md,
     "ESP's mask rows do not pay on SmolLM2").
 
     ``value = (surplus + prior * prior_value) / (seeded + prior)`` over
