@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from vllm_esp.config import ESPConfig
-from vllm_esp.core.batch import TreeProposer, block_layouts
+from vllm_esp.core.batch import TreeBatch, TreeProposer, block_layouts
 from vllm_esp.core.goodput import (
     NUM_REACH_BUCKETS,
     NUM_SOURCES,
@@ -321,6 +321,52 @@ def test_auto_trees_follow_the_cost(candidates):
     capped = proposer.propose(**inputs, budget=StepBudget(1.0, 1e-4, base_rows=8,
                                                           max_total_rows=40))
     assert _check_trees(capped, caps).sum() <= 40
+
+
+def _rebuild_every_block(proposer, inputs, budget):
+    """The allocation's trees as they were once built: every block built
+    again within its share, even where the share is all of it."""
+    batch = inputs["roots"].shape[0]
+    out = TreeBatch.empty(batch, proposer.max_nodes, proposer.num_mask_tokens)
+    caps = np.full(batch, proposer.hybrid.block_size, np.int64)
+    log_scales, bands, mask_values = proposer._calibration(budget, batch)
+    corpus = np.zeros(0, np.int64)
+    args = (inputs["histories"], inputs["history_rows"], inputs["history_starts"],
+            inputs["history_ends"], corpus, np.zeros(batch, np.int64),
+            np.zeros(batch, np.int64), inputs["roots"], inputs["has_candidates"],
+            inputs["cand_tokens"], inputs["cand_log_probs"], inputs["vocab_size"],
+            log_scales, bands, mask_values, out)
+    every = np.ones(batch, np.bool_)
+    gains, num_gains = proposer._run(every, caps, *args)
+    extra = allocate_rows(gains, num_gains, budget.base_rows, budget.fixed_cost,
+                          budget.cost_per_row)
+    proposer._run(every, np.minimum(caps, 1 + extra), *args)
+    return out, extra, num_gains
+
+
+@pytest.mark.parametrize("masks", [1, 2])
+def test_auto_rebuilds_only_the_blocks_it_cuts(masks):
+    """A block given all its rows keeps its first build; the trees equal
+    those of building every block again within its share, on batches where
+    some blocks are cut (mask groups included) and some are not."""
+    config = ESPConfig.from_dict({"num_mask_tokens": masks})
+    proposer = TreeProposer(config)
+    seen_cut = seen_whole = 0
+    for seed in range(6):
+        inputs = _proposer_inputs(8, seed=seed, context=1 + seed % 4)
+        inputs["has_candidates"][seed % 8] = False
+        for cost_per_row in (1e-4, 0.01, 0.03, 0.1):
+            budget = StepBudget(1.0, cost_per_row, base_rows=8, mask_value=0.5)
+            trees = proposer.propose(**inputs, budget=budget)
+            expected, extra, num_gains = _rebuild_every_block(proposer, inputs, budget)
+            seen_cut += int((extra < num_gains).sum())
+            seen_whole += int(((extra == num_gains) & (num_gains > 0)).sum())
+            assert trees.num_nodes.tolist() == expected.num_nodes.tolist()
+            for i, n in enumerate(trees.num_nodes.tolist()):
+                for name in ("parents", "tokens", "masked", "reach", "sources"):
+                    assert (getattr(trees, name)[i, :n].tolist()
+                            == getattr(expected, name)[i, :n].tolist()), (seed, i, name)
+    assert seen_cut > 10 and seen_whole > 10
 
 
 def test_auto_rows_respect_per_request_caps():

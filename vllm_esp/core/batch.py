@@ -335,14 +335,14 @@ def hybrid_next_tree(token_ids: np.ndarray, root_token: int,
 
 # ------------------------------------------------------------------- batch
 @njit(cache=True)
-def propose_batch_kernel(mode, histories, history_rows, history_starts, history_ends,
+def propose_batch_kernel(mode, todo, histories, history_rows, history_starts, history_ends,
                          corpus, corpus_starts, corpus_ends, roots, has_candidates, cand_tokens,
                          cand_log_probs, vocab_size, widths, node_budget, block_sizes, num_mask_tokens, use_esp,
                          use_lookup, esp_log_weight, log_scales, bands, lookup_accept,
                          mask_values, max_chains, capacity, root_alone,
                          placeholder_parents, out_parents, out_tokens, out_masked,
                          out_num_nodes, out_gains, out_num_gains, out_reach, out_sources):
-    """Next trees of ``roots.shape[0]`` requests; request ``i``'s history
+    """Next trees of the requests where ``todo``; request ``i``'s history
     is ``histories[history_rows[i], history_starts[i]:history_ends[i]]``
     (prompt lookup also searches earlier requests' answers,
     ``corpus[corpus_starts[i]:corpus_ends[i]]``)
@@ -362,6 +362,8 @@ def propose_batch_kernel(mode, histories, history_rows, history_starts, history_
     all_masked = np.ones(capacity, np.bool_)
     k = max(num_mask_tokens, 1)
     for i in range(roots.shape[0]):
+        if not todo[i]:
+            continue
         size = 0
         out_num_gains[i] = 0
         if mode == HYBRID:
@@ -509,12 +511,18 @@ class TreeProposer:
                 corpus_starts, corpus_ends, roots,
                 has_candidates, cand_tokens, cand_log_probs, vocab_size, log_scales, bands,
                 mask_values, out)
-        gains, num_gains = self._run(caps, *args)
+        gains, num_gains = self._run(np.ones(batch, np.bool_), caps, *args)
         if self.auto and budget is not None:
             extra = allocate_rows(gains, num_gains, budget.base_rows, budget.fixed_cost,
                                   budget.cost_per_row, budget.max_total_rows,
                                   budget.cost_per_drafted_step, budget.token_values)
-            self._run(np.minimum(caps, 1 + extra), *args)
+            # Rows are allocated as prefixes of each block's own order, so a
+            # block given all its rows is already built; the others are
+            # built again within their share (not cut: a cut could split a
+            # group of mask rows, where the rebuild picks a node instead).
+            cut = extra < num_gains
+            if cut.any():
+                self._run(cut, np.minimum(caps, 1 + extra), *args)
         return out
 
     def _calibration(self, budget: StepBudget | None, batch: int
@@ -537,7 +545,7 @@ class TreeProposer:
                                       (NUM_SAMPLING_BANDS,))[bands]
         return np.log(np.maximum(scales, 1e-6)), bands, mask_values
 
-    def _run(self, block_sizes, histories, history_rows, history_starts, history_ends,
+    def _run(self, todo, block_sizes, histories, history_rows, history_starts, history_ends,
              corpus, corpus_starts, corpus_ends, roots, has_candidates, cand_tokens, cand_log_probs,
              vocab_size, log_scales, bands, mask_values, out):
         hybrid = self.hybrid
@@ -545,7 +553,7 @@ class TreeProposer:
         gains = np.zeros((batch, max(hybrid.block_size - 1, 1)), np.float64)
         num_gains = np.zeros(batch, np.int64)
         propose_batch_kernel(
-            self.mode, histories, history_rows, history_starts, history_ends, corpus,
+            self.mode, todo, histories, history_rows, history_starts, history_ends, corpus,
             corpus_starts, corpus_ends, roots,
             has_candidates, cand_tokens, cand_log_probs, vocab_size, self.widths,
             self.node_budget, block_sizes, hybrid.num_mask_tokens,
