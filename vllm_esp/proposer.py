@@ -231,10 +231,10 @@ class ESPProposer:
         slots = self.max_slots
         self.slot_of: dict[str, int] = {}
         self.free_slots = list(range(slots - 1, -1, -1))
-        self.num_mask_tokens = config.masks_per_node
+        self.masks_per_node = config.masks_per_node
         # Pending blocks: the trees whose drafts propose() returned last.
         self.pending = TreeBatch.empty(slots, self.tree_proposer.max_nodes,
-                                       self.num_mask_tokens)
+                                       self.masks_per_node)
         self.pending_drafts: list[list[int] | None] = [None] * slots
         # Candidate tables from the masks of each request's last accepted
         # node (filled by the runner after verification, used once).

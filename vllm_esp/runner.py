@@ -314,7 +314,7 @@ class ESPModelRunnerMixin:
             return spec_metadata.logits_indices
         counts = num_sampled.copy()
         mask_rows = step.layouts.num_rows.astype(np.int64) - step.trees.num_nodes
-        extra = int(mask_rows.sum()) - step.num_blocks * self.drafter.num_mask_tokens
+        extra = int(mask_rows.sum()) - step.num_blocks * self.drafter.masks_per_node
         step.fused_probe = bool(mask_rows.any()) and extra < FUSED_PROBE_EXTRA_ROWS
         counts[step.batch_indices] = (step.layouts.num_rows if step.fused_probe
                                       else step.trees.num_nodes)
@@ -623,7 +623,7 @@ class ESPModelRunnerMixin:
 
     def _esp_probe_masks(self, step: ESPStep, chains, accepted, logits) -> None:
         last_node = chains[np.arange(step.num_blocks), accepted]
-        k = self.drafter.num_mask_tokens
+        k = self.drafter.masks_per_node
         # Blocks whose last accepted node carried masks: their logits give
         # the request's next ESP candidates.
         probe_rows = step.layouts.mask_rows[np.arange(step.num_blocks), last_node, :k]

@@ -327,7 +327,7 @@ def _rebuild_every_block(proposer, inputs, budget):
     """The allocation's trees as they were once built: every block built
     again within its share, even where the share is all of it."""
     batch = inputs["roots"].shape[0]
-    out = TreeBatch.empty(batch, proposer.max_nodes, proposer.num_mask_tokens)
+    out = TreeBatch.empty(batch, proposer.max_nodes, proposer.masks_per_node)
     caps = np.full(batch, proposer.hybrid.block_size, np.int64)
     log_scales, bands, mask_values = proposer._calibration(budget, batch)
     corpus = np.zeros(0, np.int64)

@@ -449,7 +449,7 @@ class TreeProposer:
 
         self.config = config
         k = config.num_mask_tokens
-        self.num_mask_tokens = config.masks_per_node
+        self.masks_per_node = config.masks_per_node
         self.hybrid = HybridParams.make(config.block_size, k, config.candidates)
         self.node_budget = config.node_budget
         self.auto = config.auto
@@ -492,9 +492,9 @@ class TreeProposer:
         ``i`` searches ``corpus[starts[i]:ends[i]]`` (``AnswerPools.corpus``)."""
         batch = roots.shape[0]
         if out is None:
-            out = TreeBatch.empty(batch, self.max_nodes, self.num_mask_tokens)
+            out = TreeBatch.empty(batch, self.max_nodes, self.masks_per_node)
         block_size = (self.hybrid.block_size if self.mode == HYBRID
-                      else self.max_nodes * (self.num_mask_tokens + 1))
+                      else self.max_nodes * (self.masks_per_node + 1))
         caps = np.full(batch, block_size, np.int64)
         if row_caps is not None:
             np.minimum(caps, row_caps, out=caps)
