@@ -59,6 +59,7 @@ from vllm_esp.core.batch import (
     ChainRows,
     TreeBatch,
     chain_rows,
+    chain_trees,
     child_score_indices,
     select_chains_flat,
 )
@@ -588,6 +589,9 @@ class ESPModelRunnerMixin:
     def _esp_select_chains(self, step: ESPStep, logits: torch.Tensor):
         """Chain reduction of every block: each node's score is its token's
         logit at its parent's row."""
+        chains = chain_trees(step.trees)
+        if chains is not None:
+            return chains
         rows, columns = child_score_indices(
             step.trees, self._esp_logit_starts[step.batch_indices])
         scores = logits[torch.from_numpy(rows).to(logits.device),

@@ -17,6 +17,7 @@ from vllm_esp.core.batch import (
     TreeProposer,
     block_layouts,
     chain_rows,
+    chain_trees,
     child_score_indices,
     select_chains,
     select_chains_flat,
@@ -32,7 +33,7 @@ from vllm_esp.core.goodput import (
     tally_verification,
 )
 from vllm_esp.core.proposal import DraftTree, mask_candidates
-from vllm_esp.core.tree import TreeSpec, block_layout
+from vllm_esp.core.tree import TreeSpec, block_layout, chain_tree
 from vllm_esp_dev.sources import ProposalContext, candidate_source
 from vllm_esp_dev.verify import select_chain
 
@@ -151,6 +152,25 @@ def test_select_chains_equals_per_tree_chain():
     scores = torch.cat(step_logits)[torch.from_numpy(rows), torch.from_numpy(columns)]
     chains, lengths = select_chains_flat(batch, scores.numpy())
     assert [chains[i, :lengths[i]].tolist() for i in range(len(trees))] == expected
+
+
+def test_chain_trees_are_their_own_chain_reduction():
+    """A batch of chains (some blocks without a tree) needs no scores: the
+    chain reduction of a chain is all of it. A batch where one tree
+    branches gets None, so the runner gathers the scores."""
+    rng = np.random.default_rng(3)
+    chains_only = [None if n == 0 else
+                   DraftTree(chain_tree(n - 1, 1), torch.from_numpy(rng.integers(0, 50, n)))
+                   for n in (1, 4, 0, 9, 2)]
+    batch = TreeBatch.from_trees(chains_only, 1)
+    scores = rng.standard_normal(batch.parents.shape).astype(np.float32)
+    expected_chains, expected_lengths = select_chains(batch, scores)
+    chains, lengths = chain_trees(batch)
+    np.testing.assert_array_equal(lengths, expected_lengths)
+    np.testing.assert_array_equal(chains, expected_chains)
+    branching = TreeBatch.from_trees(
+        chains_only + [DraftTree(TreeSpec((-1, 0, 0), 1), torch.tensor([1, 2, 3]))], 1)
+    assert chain_trees(branching) is None
 
 
 def test_child_score_indices_docstring_example():

@@ -720,6 +720,21 @@ def select_chains_flat(trees: TreeBatch, scores: np.ndarray
     return _chains(trees, np.asarray(scores, np.float32), score_starts)
 
 
+def chain_trees(trees: TreeBatch) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`select_chains` without scores when every tree is one chain
+    (node ``t``'s parent is ``t - 1``), as prompt lookup's trees are: the
+    chain is the whole tree, so the step need not gather the scores.
+    None when some tree branches."""
+    batch, width = trees.parents.shape
+    children = np.arange(1, width)
+    in_tree = children[None, :] < trees.num_nodes[:, None]
+    if not np.all((trees.parents[:, 1:] == children - 1) | ~in_tree):
+        return None
+    depths = np.arange(width, dtype=np.int64)
+    chains = np.where(depths[None, :] < trees.num_nodes[:, None], depths[None, :], 0)
+    return chains, trees.num_nodes.astype(np.int64)
+
+
 @dataclass
 class ChainRows:
     """The chains of a step as vLLM's rejection sampler takes them, over a
