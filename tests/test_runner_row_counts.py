@@ -10,13 +10,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from vllm_esp.runner import ESPModelRunnerMixin
 
 
 def counter():
     runner = SimpleNamespace(_esp_decode_request_steps=0, _esp_decode_rows=0, _esp_walk_steps=0,
-                             _esp_undrafted_steps=0)
+                             _esp_undrafted_steps=0, _esp_argmax_steps=0)
     count = ESPModelRunnerMixin._count_decode_rows.__get__(runner)
     rows = ESPModelRunnerMixin.esp_row_counts.__get__(runner)
     return count, rows
@@ -33,7 +34,7 @@ def test_decode_only_step_counts_every_request_and_row():
     # a: a 6-row block (root + 5 draft slots); b: a plain step.
     assert count(step({"a": 6, "b": 1}, {"a": [1, 2, 3, 4, 5]})) == 7
     assert rows() == {"decode_request_steps": 2, "rows": 7, "walk_steps": 0,
-                      "steps_without_drafts": 0}
+                      "steps_without_drafts": 0, "argmax_steps": 0}
 
 
 def test_prefill_chunk_is_not_a_decode_row():
@@ -43,17 +44,17 @@ def test_prefill_chunk_is_not_a_decode_row():
     # b count.
     assert count(step({"a": 3, "b": 1, "c": 40}, {"a": [7, 8]})) == 0
     assert rows() == {"decode_request_steps": 2, "rows": 4, "walk_steps": 0,
-                      "steps_without_drafts": 0}
+                      "steps_without_drafts": 0, "argmax_steps": 0}
     count(step({"a": 1}, {}))
     assert rows() == {"decode_request_steps": 3, "rows": 5, "walk_steps": 0,
-                      "steps_without_drafts": 0}
+                      "steps_without_drafts": 0, "argmax_steps": 0}
 
 
 def test_empty_step_counts_nothing():
     count, rows = counter()
     assert count(step({}, {})) == 0
     assert rows() == {"decode_request_steps": 0, "rows": 0, "walk_steps": 0,
-                      "steps_without_drafts": 0}
+                      "steps_without_drafts": 0, "argmax_steps": 0}
 
 
 def test_step_cost_profile_times_the_lm_head_over_every_row():
@@ -232,6 +233,9 @@ def test_a_step_without_drafts_skips_the_rejection_sampler():
         return "sampled"
 
     runner.sampler = sampler
+    # Sampling that moves the argmax (tests/test_argmax_verification.py
+    # covers the steps whose tokens are their rows' argmax).
+    runner._esp_argmax_decides = lambda sampling_metadata: False
     no_drafts = SpecDecodeMetadata.make_dummy([[], []], device="cpu")
     assert no_drafts.max_spec_len == 0
     assert runner._sample("logits", no_drafts) == "sampled"
@@ -243,3 +247,13 @@ def test_a_step_without_drafts_skips_the_rejection_sampler():
     assert runner._sample("logits", None) == "verified"
     assert calls == ["rejection sampler", "rejection sampler"]
     assert runner._esp_undrafted_steps == 1
+    # Greedy with nothing moving the argmax: the rows' argmax, no sampler.
+    calls.clear()
+    runner._esp_argmax_decides = lambda sampling_metadata: True
+    runner._esp_argmax_steps = 0
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, -1.0, 3.0]])
+    output = runner._sample(logits, no_drafts)
+    assert output.sampled_token_ids.tolist() == [[1], [0]]
+    assert output.sampled_token_ids.dtype == torch.int32 and output.logprobs_tensors is None
+    assert calls == ["async outputs"]
+    assert runner._esp_argmax_steps == 1

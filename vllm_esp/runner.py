@@ -52,6 +52,7 @@ import time
 
 import numpy as np
 import torch
+from vllm.v1.outputs import SamplerOutput
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
@@ -64,12 +65,13 @@ from vllm_esp.core.batch import (
     select_chains_flat,
 )
 from vllm_esp.core.goodput import StepCostModel
+from vllm_esp.core.greedy import argmax_rows, greedy_chain_tokens
 from vllm_esp.core.proposal import mask_candidates
 from vllm_esp.core.tree_walk import verification_forest
 from vllm_esp.kernels import cache_root, cpu_fingerprint
 from vllm_esp.profiling import scope
 from vllm_esp.proposer import ESPDraftTokenIds, ESPProposer
-from vllm_esp.sampling import TreeWalkSampler, greedy_requests, unsupported
+from vllm_esp.sampling import TreeWalkSampler, argmax_decides, greedy_requests, unsupported
 from vllm_esp.step import ESPStep
 
 # Under "vllm." so that vLLM's logging configuration (format, level,
@@ -167,7 +169,7 @@ class ESPModelRunnerMixin:
         self._esp_step_rows = self._esp_step_requests = 0
         self._esp_tensor_parallel = self.parallel_config.tensor_parallel_size > 1
         self._esp_decode_request_steps = self._esp_decode_rows = 0
-        self._esp_walk_steps = self._esp_undrafted_steps = 0
+        self._esp_walk_steps = self._esp_undrafted_steps = self._esp_argmax_steps = 0
         self.esp_tree_sampler = TreeWalkSampler(self.sampler)
         self._esp_chain_reasons: set[str] = set()
 
@@ -414,7 +416,8 @@ class ESPModelRunnerMixin:
     def esp_row_counts(self) -> dict[str, int]:
         return {"decode_request_steps": self._esp_decode_request_steps,
                 "rows": self._esp_decode_rows, "walk_steps": self._esp_walk_steps,
-                "steps_without_drafts": self._esp_undrafted_steps}
+                "steps_without_drafts": self._esp_undrafted_steps,
+                "argmax_steps": self._esp_argmax_steps}
 
     def _count_decode_rows(self, scheduler_output) -> int:
         """Add this step's decoding requests and their verification rows to
@@ -513,6 +516,24 @@ class ESPModelRunnerMixin:
                 np.asarray(spec_decode_metadata.num_draft_tokens, np.int64),
                 spec_decode_metadata.draft_token_ids.cpu().numpy(), chains, lengths,
                 step.trees.tokens, in_place)
+        if self._esp_argmax_decides(sampling_metadata):
+            with scope("esp: argmax verification"):
+                self._esp_argmax_steps += 1
+                tokens = greedy_chain_tokens(argmax_rows(logits)[layout.rows],
+                                             layout.draft_token_ids, layout.num_draft_tokens)
+                sampler_output = SamplerOutput(
+                    sampled_token_ids=torch.from_numpy(tokens).to(logits.device),
+                    logprobs_tensors=None)
+        else:
+            sampler_output = self._esp_rejection_sample(layout, in_place, logits,
+                                                        sampling_metadata)
+        with scope("esp: after verification"):
+            self._esp_after_verification(step, chains, sampler_output, logits)
+        return sampler_output
+
+    def _esp_rejection_sample(self, layout, in_place: bool, logits, sampling_metadata):
+        """vLLM's ``RejectionSampler`` on the step's chains."""
+        with scope("esp: verify"):
             verified_logits = (logits if in_place
                                else logits[torch.from_numpy(layout.rows).to(logits.device)])
             chain_metadata = chain_spec_decode_metadata(layout, logits.device)
@@ -526,11 +547,8 @@ class ESPModelRunnerMixin:
                     spec_token_ids=[flat[e - n:e] for e, n in
                                     zip(ends.tolist(), layout.num_draft_tokens.tolist())])
         with scope("esp: sampler"):
-            sampler_output = self.rejection_sampler(
-                chain_metadata, None, verified_logits, sampling_metadata)
-        with scope("esp: after verification"):
-            self._esp_after_verification(step, chains, sampler_output, logits)
-        return sampler_output
+            return self.rejection_sampler(chain_metadata, None, verified_logits,
+                                          sampling_metadata)
 
     def _esp_sample_without_drafts(self, logits):
         """A step in which no request has drafts, sampled as vLLM samples
@@ -542,7 +560,21 @@ class ESPModelRunnerMixin:
         no drafts its output is the Sampler's anyway (the bonus token), so
         this is the same tokens and logprobs without that work."""
         self.input_batch.update_async_output_token_ids()
-        return self.sampler(logits=logits, sampling_metadata=self.input_batch.sampling_metadata)
+        sampling_metadata = self.input_batch.sampling_metadata
+        if self._esp_argmax_decides(sampling_metadata):
+            self._esp_argmax_steps += 1
+            tokens = torch.from_numpy(argmax_rows(logits).astype(np.int32))
+            return SamplerOutput(sampled_token_ids=tokens.to(logits.device).unsqueeze(-1),
+                                 logprobs_tensors=None)
+        return self.sampler(logits=logits, sampling_metadata=sampling_metadata)
+
+    def _esp_argmax_decides(self, sampling_metadata) -> bool:
+        """Whether the step's tokens are its rows' argmax (``argmax_decides``;
+        not in vLLM's synthetic-acceptance test mode). Then ESP takes the
+        argmax itself: vLLM's samplers copy the rows and use torch's argmax,
+        which CPUs run unvectorised (``core.greedy``)."""
+        return (not getattr(self.rejection_sampler, "synthetic_mode", False)
+                and argmax_decides(sampling_metadata))
 
     def _esp_walks(self, step: ESPStep, sampling_metadata) -> bool:
         """Whether this step is verified by the tree walk: some block's

@@ -63,6 +63,31 @@ def greedy_requests(sampling_metadata: SamplingMetadata, num_requests: int) -> n
     return temperature < SAMPLING_EPS
 
 
+def argmax_decides(sampling_metadata: SamplingMetadata) -> bool:
+    """Whether every request's next token is the argmax of its raw logits
+    row and nobody needs the logits: every request greedy, no logprobs, and
+    nothing that moves an argmax (penalties, bad words, allowed token ids,
+    a thinking budget, an active min_tokens or logit bias, any other logits
+    processor). vLLM's ``Sampler`` and ``RejectionSampler`` then reduce to
+    the argmax (``core.greedy``)."""
+    metadata = sampling_metadata
+    if (not metadata.all_greedy or metadata.max_num_logprobs is not None
+            or metadata.logprob_token_ids or not metadata.no_penalties
+            or metadata.bad_words_token_ids
+            or metadata.allowed_token_ids_mask is not None):
+        return False
+    holder = metadata.thinking_budget_state_holder
+    if holder is not None and holder.has_tracked_requests():
+        return False
+    for processor in metadata.logitsprocs.non_argmax_invariant:
+        inactive = ((isinstance(processor, MinTokensLogitsProcessor) and not processor.min_toks)
+                    or (isinstance(processor, LogitBiasLogitsProcessor)
+                        and not processor.biases))
+        if not inactive:
+            return False
+    return True
+
+
 def unsupported(sampling_metadata: SamplingMetadata) -> str | None:
     """Why the walk cannot verify a step with these sampling parameters
     (then its chains go to vLLM's rejection sampler), or None."""
