@@ -79,8 +79,8 @@ def test_argmax_verification_equals_vllms_rejection_sampler():
 
 
 def test_argmax_decides_only_when_nothing_moves_the_argmax():
-    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
     from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
 
     base = _greedy_metadata(2, 16)
     assert argmax_decides(base)
