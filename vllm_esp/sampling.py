@@ -72,18 +72,23 @@ def argmax_decides(sampling_metadata: SamplingMetadata) -> bool:
     the argmax (``core.greedy``)."""
     metadata = sampling_metadata
     if (not metadata.all_greedy or metadata.max_num_logprobs is not None
-            or metadata.logprob_token_ids or not metadata.no_penalties
+            or getattr(metadata, "logprob_token_ids", None) or not metadata.no_penalties
             or metadata.bad_words_token_ids
             or metadata.allowed_token_ids_mask is not None):
         return False
-    holder = metadata.thinking_budget_state_holder
+    holder = getattr(metadata, "thinking_budget_state_holder", None)
     if holder is not None and holder.has_tracked_requests():
         return False
     for processor in metadata.logitsprocs.non_argmax_invariant:
-        inactive = ((isinstance(processor, MinTokensLogitsProcessor) and not processor.min_toks)
-                    or (isinstance(processor, LogitBiasLogitsProcessor)
-                        and not processor.biases))
-        if not inactive:
+        # The builtin processors' per-request state; where a vLLM release
+        # names it otherwise, the step goes to vLLM's samplers.
+        if isinstance(processor, MinTokensLogitsProcessor):
+            requests = getattr(processor, "min_toks", None)
+        elif isinstance(processor, LogitBiasLogitsProcessor):
+            requests = getattr(processor, "biases", None)
+        else:
+            return False
+        if requests is None or requests:
             return False
     return True
 
