@@ -42,6 +42,7 @@ from vllm.v1.sample.ops.bad_words import apply_bad_words
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.sampler import Sampler
 
+from vllm_esp.core.greedy import argmax_rows
 from vllm_esp.core.tree_walk import VerificationForest, walk
 
 # vLLM's Sampler treats a temperature below this as greedy.
@@ -196,7 +197,8 @@ class TreeWalkSampler:
         greedy = state.greedy[requests]
         if greedy.any():
             index = torch.from_numpy(np.flatnonzero(greedy)).to(device)
-            tokens[index] = rows.index_select(0, index).argmax(dim=-1)
+            tokens[index] = torch.from_numpy(argmax_rows(rows.index_select(0, index))
+                                             ).to(device)
         if not greedy.all():
             random = np.flatnonzero(~greedy)
             index = torch.from_numpy(random).to(device)
