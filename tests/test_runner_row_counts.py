@@ -10,7 +10,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from vllm_esp.runner import ESPModelRunnerMixin
 
@@ -233,9 +232,6 @@ def test_a_step_without_drafts_skips_the_rejection_sampler():
         return "sampled"
 
     runner.sampler = sampler
-    # Sampling that moves the argmax (tests/test_argmax_verification.py
-    # covers the steps whose tokens are their rows' argmax).
-    runner._esp_argmax_decides = lambda sampling_metadata: False
     no_drafts = SpecDecodeMetadata.make_dummy([[], []], device="cpu")
     assert no_drafts.max_spec_len == 0
     assert runner._sample("logits", no_drafts) == "sampled"
@@ -247,13 +243,3 @@ def test_a_step_without_drafts_skips_the_rejection_sampler():
     assert runner._sample("logits", None) == "verified"
     assert calls == ["rejection sampler", "rejection sampler"]
     assert runner._esp_undrafted_steps == 1
-    # Greedy with nothing moving the argmax: the rows' argmax, no sampler.
-    calls.clear()
-    runner._esp_argmax_decides = lambda sampling_metadata: True
-    runner._esp_argmax_steps = 0
-    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, -1.0, 3.0]])
-    output = runner._sample(logits, no_drafts)
-    assert output.sampled_token_ids.tolist() == [[1], [0]]
-    assert output.sampled_token_ids.dtype == torch.int32 and output.logprobs_tensors is None
-    assert calls == ["async outputs"]
-    assert runner._esp_argmax_steps == 1

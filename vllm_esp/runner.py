@@ -559,14 +559,11 @@ class ESPModelRunnerMixin:
         dearer than plain vLLM's (docs/design.md, "One step"). With
         no drafts its output is the Sampler's anyway (the bonus token), so
         this is the same tokens and logprobs without that work."""
+        # Not the argmax verification (core.greedy) here: cheaper steps
+        # without drafts made "auto" buy more rows at b32, which cost more
+        # than they earned there (docs/results.md, "Large batches").
         self.input_batch.update_async_output_token_ids()
-        sampling_metadata = self.input_batch.sampling_metadata
-        if self._esp_argmax_decides(sampling_metadata):
-            self._esp_argmax_steps += 1
-            tokens = torch.from_numpy(argmax_rows(logits).astype(np.int32))
-            return SamplerOutput(sampled_token_ids=tokens.to(logits.device).unsqueeze(-1),
-                                 logprobs_tensors=None)
-        return self.sampler(logits=logits, sampling_metadata=sampling_metadata)
+        return self.sampler(logits=logits, sampling_metadata=self.input_batch.sampling_metadata)
 
     def _esp_argmax_decides(self, sampling_metadata) -> bool:
         """Whether the step's tokens are its rows' argmax (``argmax_decides``;
