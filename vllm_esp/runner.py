@@ -519,6 +519,8 @@ class ESPModelRunnerMixin:
         if self._esp_argmax_decides(sampling_metadata):
             with scope("esp: argmax verification"):
                 self._esp_argmax_steps += 1
+                # Over every logits row, off-chain nodes included: an argmax
+                # costs about half a gather of the same row.
                 tokens = greedy_chain_tokens(argmax_rows(logits)[layout.rows],
                                              layout.draft_token_ids, layout.num_draft_tokens)
                 sampler_output = SamplerOutput(

@@ -8,11 +8,9 @@ processors or logprobs: ``vllm_esp.sampling.argmax_decides``), vLLM's
 equals the draft". It gets there by copying the verified rows twice (the
 bonus rows' sampler keeps a copy of their logits for logprobs even when
 none are asked for; the target rows are gathered and cloned) and taking
-``torch.argmax``, which on CPU does not vectorise: about 3 ms of a 16
-request step's 7 ms outside the model on SmolLM2, and several times that
-with Gemma-3's 262k vocabulary (docs/results.md, "Host time per step").
-NumPy's argmax is vectorised, so this takes the argmax once, in place,
-and accepts with array operations.
+``torch.argmax``, which on CPU does not vectorise (what that costs:
+docs/results.md, "Host time per step"). NumPy's argmax is vectorised, so
+this takes the argmax once, in place, and accepts with array operations.
 
 Example: two requests verifying drafts ``[7, 8]`` and ``[4]``, their rows'
 argmax ``[7, 9, 2 | 4, 6]`` (each request's ``n`` target rows and then its
