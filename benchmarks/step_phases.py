@@ -4,7 +4,10 @@
 Timers wrap the model runner's phases (vLLM's and ESP's own) in one
 in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) while it generates
 Spec-Bench answers one level at a time. Only steps that verify drafts are
-counted; the table gives milliseconds per such step, each round in its own
+counted, or with ``--steps undrafted`` only decode steps without drafts
+(every request one token, no prefill; every decode step of ``none``, so
+that a step without drafts can be compared with plain vLLM's phase by
+phase); the table gives milliseconds per such step, each round in its own
 column, rounds alternating the methods' order.
 
 Nested phases overlap: ``execute_model`` holds ``forward``,
@@ -21,6 +24,8 @@ its cost in a warm loop).
         --batch-size 1 --rounds 2 --skip-per-category 4
     ./run python -m benchmarks.step_phases --dataset bundled --methods esp esp-chain \\
         --temperature 0 0.7 --dtype bfloat16
+    ./run python -m benchmarks.step_phases --dataset PATH --methods none esp \\
+        --batch-size 26 --steps undrafted
 
 ``--temperature`` runs every temperature in turn (all rounds of the
 first, then the next); a sampled one (T > 0) generates exactly
@@ -72,15 +77,25 @@ COUNTS = ("forward rows", "logits rows", "esp: mask rows",
           *(f"esp: accepted from {name}" for name in SOURCE_NAMES))
 
 
+# Which steps the timers keep: those that verify drafts, or decode steps
+# without drafts (every request one token).
+STEP_KINDS = ("drafted", "undrafted")
+STEPS_COUNTED = {"drafted": "steps with drafts", "undrafted": "decode steps without drafts"}
+
+
 class PhaseTimers:
     """Accumulates the wall time of wrapped methods per engine step and
-    keeps the steps that verified drafts (``spec_step``)."""
+    keeps the steps of one kind (``keep_step``, set per step from what
+    the scheduler scheduled)."""
 
-    def __init__(self) -> None:
+    def __init__(self, steps: str = "drafted") -> None:
+        if steps not in STEP_KINDS:
+            raise ValueError(f"steps: one of {STEP_KINDS}, not {steps!r}")
+        self.steps = steps
         self.current: dict[str, float] = collections.defaultdict(float)
         self.totals: dict[str, float] = collections.defaultdict(float)
         self.num_steps = 0
-        self.spec_step = False
+        self.keep_step = False
         self.counting = False
         # The phase whose end ends a step: the runner's last call, or the
         # engine's whole step once instrument_engine has wrapped it
@@ -102,21 +117,32 @@ class PhaseTimers:
         setattr(owner, attribute, timed)
 
     def end_step(self) -> None:
-        if self.counting and self.spec_step:
+        if self.counting and self.keep_step:
             self.num_steps += 1
             for phase, seconds in self.current.items():
                 self.totals[phase] += seconds
         self.current.clear()
-        self.spec_step = False
+        self.keep_step = False
 
     def per_step_ms(self) -> dict[str, float]:
         steps = max(self.num_steps, 1)
         return {phase: total / steps * (1 if phase in COUNTS else 1e3)
                 for phase, total in self.totals.items()}
 
+    def mark(self, scheduler_output) -> None:
+        """Whether the step about to run is of the kind kept. vLLM builds
+        spec-decode metadata for every step once speculation is on,
+        prefills included; a step with drafts has scheduled them."""
+        drafted = any(scheduler_output.scheduled_spec_decode_tokens.values())
+        if self.steps == "drafted":
+            self.keep_step = drafted
+        else:
+            self.keep_step = not drafted and all(
+                count == 1 for count in scheduler_output.num_scheduled_tokens.values())
 
-def instrument(runner) -> PhaseTimers:
-    timers = PhaseTimers()
+
+def instrument(runner, steps: str = "drafted") -> PhaseTimers:
+    timers = PhaseTimers(steps)
     for attribute, phase in RUNNER_PHASES.items():
         if hasattr(runner, attribute):
             timers.wrap(runner, attribute, phase)
@@ -138,9 +164,7 @@ def instrument(runner) -> PhaseTimers:
     def prepare_and_mark(*args, **kwargs):
         result = prepare_inputs(*args, **kwargs)
         scheduler_output = args[0]
-        # vLLM builds spec-decode metadata for every step once speculation
-        # is on, prefills included; a step with drafts has scheduled them.
-        timers.spec_step = any(scheduler_output.scheduled_spec_decode_tokens.values())
+        timers.mark(scheduler_output)
         timers.current["forward rows"] += scheduler_output.total_num_scheduled_tokens
         return result
 
@@ -209,6 +233,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0,
                         help="sampled requests' seeds: seed * 100003 + prompt index")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", choices=STEP_KINDS, default="drafted",
+                        help="the steps timed: those that verify drafts (default), or "
+                        "decode steps without drafts (every step of 'none')")
     parser.add_argument("--out", type=Path, default=None, help="write the table as JSON")
     args = parser.parse_args(argv)
     if min(args.temperatures) < 0 or not 0 < args.top_p <= 1:
@@ -273,7 +300,8 @@ def main(argv=None) -> int:
                            dtype=args.dtype)
             try:
                 core = llm.llm_engine.engine_core.engine_core
-                timers = instrument(core.model_executor.driver_worker.worker.model_runner)
+                timers = instrument(core.model_executor.driver_worker.worker.model_runner,
+                                    args.steps)
                 instrument_engine(timers, llm.llm_engine)
                 warm_up(llm, prompts[0][:32])
                 if decoding.sampled:  # the sampled path's first calls, untimed too
@@ -284,7 +312,7 @@ def main(argv=None) -> int:
             finally:
                 shutdown(llm)
             figures = timers.per_step_ms()
-            figures["steps with drafts"] = timers.num_steps
+            figures[STEPS_COUNTED[args.steps]] = timers.num_steps
             figures["tokens/s"] = sum(len(t) for t in run.token_ids) / run.seconds
             table.setdefault(column, []).append(figures)
             print(f"{column} round {round_index + 1}: "
@@ -295,7 +323,7 @@ def main(argv=None) -> int:
           + ("greedy" if not sampled else
              f"sampled columns (T): top-p {args.top_p:g}, ignore_eos, a seed per request")
           + "\n")
-    print("| phase (ms per step with drafts; rows: per step) | "
+    print(f"| phase (ms per step, {STEPS_COUNTED[args.steps]} only; rows: per step) | "
           + " | ".join(table) + " |\n|---|" + "---|" * len(table))
     for phase in phases:
         print(f"| {phase} | " + " | ".join(

@@ -860,6 +860,64 @@ def test_step_phases_count_only_steps_that_verify_drafts(monkeypatch):
     assert figures["logits rows"] == 4
 
 
+def test_step_phases_undrafted_keeps_only_decode_steps_without_drafts(monkeypatch):
+    """``--steps undrafted`` times the steps a plain engine would take: a
+    decode step without drafts counts, a prefill (even beside decodes)
+    and a step with drafts do not, and an unknown kind is refused."""
+    from types import SimpleNamespace
+
+    from benchmarks import step_phases
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(step_phases.time, "perf_counter", lambda: clock.now)
+    steps = [
+        # a prefill beside a decode
+        SimpleNamespace(scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=21,
+                        num_scheduled_tokens={"a": 20, "b": 1}),
+        # two decodes without drafts (plain vLLM: no spec metadata at all)
+        SimpleNamespace(scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=2,
+                        num_scheduled_tokens={"a": 1, "b": 1}),
+        # ESP's step without drafts: empty draft lists
+        SimpleNamespace(scheduled_spec_decode_tokens={"a": [], "b": []},
+                        total_num_scheduled_tokens=2, num_scheduled_tokens={"a": 1, "b": 1}),
+        # a step with drafts
+        SimpleNamespace(scheduled_spec_decode_tokens={"a": [5, 6]}, total_num_scheduled_tokens=4,
+                        num_scheduled_tokens={"a": 3, "b": 1}),
+    ]
+
+    class Runner:
+        model = SimpleNamespace(compute_logits=lambda hidden_states: None)
+
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+            return None, "metadata", None
+
+        def _model_forward(self, step):
+            clock.now += 0.010 * (step + 1)
+
+        def sample_tokens(self, step):
+            clock.now += 0.001
+
+    runner = Runner()
+    timers = step_phases.instrument(runner, "undrafted")
+    timers.counting = True
+    for step, scheduler_output in enumerate(steps):
+        runner._prepare_inputs(scheduler_output, None)
+        runner._model_forward(step)
+        runner.sample_tokens(step)
+    assert timers.num_steps == 2
+    figures = timers.per_step_ms()
+    assert figures["forward"] == pytest.approx((20.0 + 30.0) / 2)
+    assert figures["forward rows"] == 2
+    drafted = step_phases.instrument(Runner(), "drafted")
+    drafted.counting = True
+    for scheduler_output in steps:
+        drafted.mark(scheduler_output)
+        drafted.end_step()
+    assert drafted.num_steps == 1  # the default kind: the last step alone
+    with pytest.raises(ValueError, match="undrafted"):
+        step_phases.PhaseTimers("plain")
+
+
 def test_step_phases_count_mask_rows_and_drafts_by_source():
     """ESP's blocks per step: mask rows, and drafted and accepted nodes by
     candidate source, taken from what ESP's own periodic log line is given
@@ -898,7 +956,7 @@ def test_step_phases_count_mask_rows_and_drafts_by_source():
         compute_logits=lambda hidden_states: None),
         _prepare_inputs=lambda *args: None, sample_tokens=lambda *args: None)
     timers = step_phases.instrument(runner)
-    timers.counting = timers.spec_step = True
+    timers.counting = timers.keep_step = True
     # The chain root -> e1 -> c1, e1 accepted.
     runner.drafter.observe_verification(trees, np.array([[0, 1, 2]]), np.array([1]),
                                         np.array([True]), np.array([0]))
