@@ -77,10 +77,11 @@ COUNTS = ("forward rows", "logits rows", "esp: mask rows",
           *(f"esp: accepted from {name}" for name in SOURCE_NAMES))
 
 
-# Which steps the timers keep: those that verify drafts, or decode steps
-# without drafts (every request one token).
-STEP_KINDS = ("drafted", "undrafted")
+# Which steps the timers keep (``--steps``), and their name in the table:
+# those that verify drafts, or decode steps without drafts (every request
+# one token).
 STEPS_COUNTED = {"drafted": "steps with drafts", "undrafted": "decode steps without drafts"}
+STEP_KINDS = tuple(STEPS_COUNTED)
 
 
 class PhaseTimers:

@@ -908,7 +908,7 @@ def test_step_phases_undrafted_keeps_only_decode_steps_without_drafts(monkeypatc
     figures = timers.per_step_ms()
     assert figures["forward"] == pytest.approx((20.0 + 30.0) / 2)
     assert figures["forward rows"] == 2
-    drafted = step_phases.instrument(Runner(), "drafted")
+    drafted = step_phases.PhaseTimers()
     drafted.counting = True
     for scheduler_output in steps:
         drafted.mark(scheduler_output)
