@@ -344,29 +344,32 @@ def _rebuild_every_block(proposer, inputs, budget):
     return out, extra, num_gains
 
 
-@pytest.mark.parametrize("masks", [1, 2])
-def test_auto_rebuilds_only_the_blocks_it_cuts(masks):
-    """A block given all its rows keeps its first build; the trees equal
-    those of building every block again within its share, on batches where
-    some blocks are cut (mask groups included) and some are not."""
-    config = ESPConfig.from_dict({"num_mask_tokens": masks})
+@pytest.mark.parametrize("masks, candidates", [(1, ["esp", "ngram"]),
+                                               (2, ["esp", "ngram"]), (1, ["ngram"])])
+def test_auto_rebuilds_only_the_blocks_it_cuts(masks, candidates):
+    """A block given all its rows keeps its first build, and one given none
+    is the root alone without a build; the trees equal those of building
+    every block again within its share, on batches where some blocks are
+    cut (mask groups included), some cut to the root and some not cut."""
+    config = ESPConfig.from_dict({"num_mask_tokens": masks, "candidates": candidates})
     proposer = TreeProposer(config)
-    seen_cut = seen_whole = 0
+    seen_cut = seen_whole = seen_alone = 0
     for seed in range(6):
         inputs = _proposer_inputs(8, seed=seed, context=1 + seed % 4)
         inputs["has_candidates"][seed % 8] = False
-        for cost_per_row in (1e-4, 0.01, 0.03, 0.1):
+        for cost_per_row in (1e-4, 0.01, 0.03, 0.1, 0.3, 1.0):
             budget = StepBudget(1.0, cost_per_row, base_rows=8, mask_value=0.5)
             trees = proposer.propose(**inputs, budget=budget)
             expected, extra, num_gains = _rebuild_every_block(proposer, inputs, budget)
-            seen_cut += int((extra < num_gains).sum())
+            seen_cut += int(((extra < num_gains) & (extra > 0)).sum())
             seen_whole += int(((extra == num_gains) & (num_gains > 0)).sum())
+            seen_alone += int(((extra == 0) & (num_gains > 0)).sum())
             assert trees.num_nodes.tolist() == expected.num_nodes.tolist()
             for i, n in enumerate(trees.num_nodes.tolist()):
                 for name in ("parents", "tokens", "masked", "reach", "sources"):
                     assert (getattr(trees, name)[i, :n].tolist()
                             == getattr(expected, name)[i, :n].tolist()), (seed, i, name)
-    assert seen_cut > 10 and seen_whole > 10
+    assert seen_cut > 10 and seen_whole > 10 and seen_alone > 10
 
 
 def test_auto_rows_respect_per_request_caps():

@@ -124,6 +124,18 @@ class TreeBatch:
         self.masked[i, :size] = tree.tree_spec.masked
         self.num_nodes[i] = size
 
+    def set_roots(self, rows: np.ndarray, roots: np.ndarray) -> None:
+        """Rows ``rows`` hold the root alone (a plain decoding step): token
+        ``roots[j]`` in row ``rows[j]``, no masks, prior reach 1."""
+        self.parents[rows, 0] = -1
+        self.tokens[rows, 0] = roots
+        self.masked[rows, 0] = False
+        self.num_nodes[rows] = 1
+        if self.reach is not None:
+            self.reach[rows, 0] = 1.0
+        if self.sources is not None:
+            self.sources[rows, 0] = 0
+
     def tree(self, i: int) -> DraftTree | None:
         size = int(self.num_nodes[i])
         if size == 0:
@@ -521,8 +533,15 @@ class TreeProposer:
             # built again within their share (not cut: a cut could split a
             # group of mask rows, where the rebuild picks a node instead).
             cut = extra < num_gains
-            if cut.any():
-                self._run(cut, np.minimum(caps, 1 + extra), *args)
+            # Given no rows, a block is the root alone: written directly, as
+            # its build within one row would give it (at large batches that
+            # is most requests of most steps).
+            alone = cut & (extra == 0)
+            if alone.any():
+                out.set_roots(np.flatnonzero(alone), roots[alone])
+            rebuild = cut & ~alone
+            if rebuild.any():
+                self._run(rebuild, np.minimum(caps, 1 + extra), *args)
         return out
 
     def _calibration(self, budget: StepBudget | None, batch: int
